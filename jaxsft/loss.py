@@ -1,0 +1,162 @@
+"""Masked next-token cross-entropy as sums, so every normalization is explicit.
+
+Labels follow the Hugging Face convention: `labels` is aligned with `input_ids` and the loss
+shifts inside (logits at t predict the label at t + 1); `-100` marks a position that is not
+trained. Every function returns or consumes `(nll_sum, n_valid)` pairs: a step's loss over
+gradient-accumulation micro-batches and data-parallel shards is
+
+  loss = Σ_micro Σ_t nll_t / Σ_micro Σ_t valid_t
+
+(the global count), never a mean of per-micro-batch means. `combine_sums` and
+`normalize_by_valid` are the arithmetic the trainer and the tests share.
+
+Pure functions over arrays; jittable; log-softmax in float32 whatever the logits' dtype; zero
+loss with finite zero gradients when nothing is valid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+import functools
+
+import jax
+import jax.numpy as jnp
+
+IGNORE_INDEX = -100
+
+
+def _shift(logits_or_hidden: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Position t predicts the label at t + 1: drop the last prediction and the first label."""
+  return logits_or_hidden[:, :-1], labels[:, 1:]
+
+
+def _token_nll(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Per-token negative log-likelihood and validity mask (nll is 0 where invalid).
+
+  nll_t = logsumexp(z_t) - z_t[y_t], computed in float32.
+  """
+  valid = targets != IGNORE_INDEX
+  logits = logits.astype(jnp.float32)
+  safe_targets = jnp.where(valid, targets, 0)  # -100 would index out of range
+  target_logit = jnp.take_along_axis(logits, safe_targets[..., None], axis=-1)[..., 0]
+  nll = jax.nn.logsumexp(logits, axis=-1) - target_logit
+  # `where` (not multiply): an invalid position contributes an exact zero, gradient included.
+  return jnp.where(valid, nll, 0.0), valid
+
+
+def cross_entropy_sum(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Summed next-token cross-entropy and the number of trained positions.
+
+  With z = logits (B, T, V) and y = labels (B, T):
+
+    nll_sum = Σ_{b, t < T-1, y[b, t+1] != -100} logsumexp(z[b, t]) - z[b, t, y[b, t+1]]
+    n_valid = #{(b, t) : y[b, t+1] != -100}
+
+  Args:
+    logits: (B, T, V) in any float dtype; upcast to float32 here.
+    labels: (B, T) int, aligned with the inputs, -100 where not trained.
+
+  Returns:
+    `(nll_sum, n_valid)`: float32 scalar and int32 scalar.
+  """
+  nll, valid = _token_nll(*_shift(logits, labels))
+  return nll.sum(), valid.sum(dtype=jnp.int32)
+
+
+def masked_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """Mean next-token cross-entropy over trained positions: nll_sum / max(n_valid, 1).
+
+  Equal to `torch.nn.functional.cross_entropy(shifted_logits, shifted_labels,
+  ignore_index=-100)` when anything is valid, and 0 (with zero gradients) when nothing is.
+  """
+  return normalize_by_valid(*cross_entropy_sum(logits, labels))
+
+
+def per_example_nll(logits: jax.Array, labels: jax.Array,
+                    segment_ids: jax.Array | None = None,
+                    num_segments: int | None = None) -> tuple[jax.Array, jax.Array]:
+  """Summed nll and valid count per row, or per (row, segment) for packed rows.
+
+  For packed rows the label at t + 1 belongs to the segment of position t + 1 (the first label
+  of every segment is -100, so no prediction crosses a segment boundary).
+
+  Returns:
+    `(nll, n_valid)` of shape (B,) or, with `segment_ids`, (B, num_segments + 1) indexed by
+    segment id (column 0 is padding and stays 0).
+  """
+  nll, valid = _token_nll(*_shift(logits, labels))
+  if segment_ids is None:
+    return nll.sum(axis=-1), valid.sum(axis=-1, dtype=jnp.int32)
+  if num_segments is None:
+    raise ValueError("per_example_nll: num_segments is required with segment_ids (a static size)")
+  one_hot = jax.nn.one_hot(segment_ids[:, 1:], num_segments + 1, dtype=jnp.float32)
+  return (jnp.einsum("bt,bts->bs", nll, one_hot),
+          jnp.einsum("bt,bts->bs", valid.astype(jnp.float32), one_hot).astype(jnp.int32))
+
+
+def normalize_by_valid(tree, n_valid: jax.Array):
+  """Divide a summed loss (or a pytree of summed gradients) by max(n_valid, 1).
+
+  The same scale applies to the loss and to every gradient leaf, so accumulating sums over
+  micro-batches and normalizing once gives the full-batch mean and its gradient.
+  """
+  scale = 1.0 / jnp.maximum(jnp.asarray(n_valid, jnp.float32), 1.0)
+
+  def scale_leaf(x):
+    x = jnp.asarray(x)
+    return (x * scale).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x * scale
+
+  return jax.tree.map(scale_leaf, tree)
+
+
+def combine_sums(pairs: Iterable[tuple[jax.Array, jax.Array]]) -> tuple[jax.Array, jax.Array]:
+  """Σ nll_sum and Σ n_valid over micro-batches or shards: `(Σ_i nll_i, Σ_i n_i)`."""
+  pairs = list(pairs)
+  if not pairs:
+    raise ValueError("combine_sums: no (nll_sum, n_valid) pairs")
+  nll = functools.reduce(jnp.add, (jnp.asarray(p[0], jnp.float32) for p in pairs))
+  count = functools.reduce(jnp.add, (jnp.asarray(p[1], jnp.int32) for p in pairs))
+  return nll, count
+
+
+def chunked_cross_entropy_sum(hidden: jax.Array, embedding: jax.Array, labels: jax.Array, *,
+                              chunk_size: int = 1024) -> tuple[jax.Array, jax.Array]:
+  """`cross_entropy_sum(hidden @ embedding.T, labels)` without the (B, T, V) logits.
+
+  The B * (T - 1) predicting positions are flattened and processed `chunk_size` tokens at a
+  time by a `lax.scan` whose body is rematerialized (`jax.checkpoint`): forward and backward
+  keep only one (chunk_size, V) block of logits alive, instead of B * T * V floats.
+
+  Args:
+    hidden: (B, T, H) final-normed hidden states, in the compute dtype.
+    embedding: (V, H) output embedding (the LM head), in the compute dtype.
+    labels: (B, T), aligned with the inputs, -100 where not trained.
+    chunk_size: tokens per chunk; the trailing partial chunk is padded with -100 labels.
+
+  Returns:
+    `(nll_sum, n_valid)` as `cross_entropy_sum`.
+  """
+  hidden, targets = _shift(hidden, labels)
+  hidden = hidden.reshape(-1, hidden.shape[-1])
+  targets = targets.reshape(-1)
+  n = targets.shape[0]
+  chunk_size = max(1, min(chunk_size, n))
+  pad = -n % chunk_size
+  hidden = jnp.pad(hidden, ((0, pad), (0, 0)))
+  targets = jnp.pad(targets, (0, pad), constant_values=IGNORE_INDEX)
+  hidden = hidden.reshape(-1, chunk_size, hidden.shape[-1])
+  targets = targets.reshape(-1, chunk_size)
+
+  @jax.checkpoint
+  def chunk_nll(h, y):
+    # Logits in the compute dtype exactly like the model's LM head; upcast in _token_nll.
+    nll, valid = _token_nll(h @ embedding.T, y)
+    return nll.sum(), valid.sum(dtype=jnp.int32)
+
+  def body(carry, xs):
+    nll, count = chunk_nll(*xs)
+    return (carry[0] + nll, carry[1] + count), None
+
+  init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+  (nll_sum, n_valid), _ = jax.lax.scan(body, init, (hidden, targets))
+  return nll_sum, n_valid
