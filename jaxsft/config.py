@@ -1,0 +1,357 @@
+"""One dataclass tree behind `configs/*.yaml` and the `python -m jaxsft.train` command line.
+
+A YAML file mirrors the tree (`optim: {lr: 1e-4}`); the command line takes dotted keys
+(`--optim.lr 1e-4` or `optim.lr=1e-4`) plus short aliases for the common ones (`--lr`,
+`--data`, `--model`, ...). Every key is checked: an unknown key or a value of the wrong type
+is a `ConfigError` that lists the valid keys, before anything is loaded or written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+import types
+import typing
+from typing import Any
+
+
+class ConfigError(ValueError):
+  """A bad configuration key or value (names the key and, for YAML, the file)."""
+
+
+@dataclasses.dataclass
+class ModelConfig:
+  name: str = "smollm2-135m-instruct"
+  """A short name, a Hugging Face model directory, a hub id or a .gguf file."""
+  dtype: str = "float32"
+  """Compute and frozen-weight dtype: float32 or bfloat16 (LoRA params stay float32)."""
+  remat: bool = False
+  """Recompute each layer's activations in the backward pass (less memory, more compute)."""
+  chunked_loss: bool = False
+  """Cross-entropy over token chunks without materializing the (B, T, V) logits."""
+
+
+@dataclasses.dataclass
+class LoraConfig:
+  r: int = 8
+  alpha: float = 16.0
+  dropout: float = 0.0
+  target_modules: tuple[str, ...] = ("q_proj", "v_proj")
+  """Module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) or all-linear."""
+  rslora: bool = False
+  """Scale by alpha/sqrt(r) instead of alpha/r."""
+
+
+@dataclasses.dataclass
+class DataConfig:
+  path: str | None = None
+  """Training data (JSON/JSONL, .gz too). None: jaxsft's built-in synthetic task set."""
+  field_map: dict[str, str] | None = None
+  """Map of canonical field names to the file's names, e.g. {"output": "response"}."""
+  format: str = "auto"
+  val_path: str | None = None
+  """Held-out data; without it `val_fraction` of the training records are held out."""
+  val_fraction: float = 0.1
+  max_val_examples: int = 256
+  on_error: str = "raise"
+  """raise: a bad record stops the run; skip: bad records are counted, reported and skipped."""
+  synthetic_size: int = 1200
+  """Number of generated examples when `path` is None."""
+  max_length: int = 512
+  batching: str = "bucketed"
+  """static (pad to max_length) | dynamic (batch max) | bucketed | packed."""
+  num_buckets: int = 4
+  bucket_lengths: tuple[int, ...] | None = None
+  """Explicit bucket boundaries; None: chosen from the data to minimize padding."""
+  batch_size: int = 8
+  tokens_per_batch: int | None = None
+  """Token budget per batch: B_k = tokens_per_batch // T_k (overrides batch_size)."""
+  pad_to_multiple_of: int = 8
+  train_on: str = "all_assistant"
+  """all_assistant: every reply is trained; last: only the final reply."""
+  worker_count: int = 0
+  """Grain worker processes preparing batches (0: in the main process)."""
+  seed: int = 0
+
+
+@dataclasses.dataclass
+class OptimConfig:
+  lr: float = 2e-4
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-8
+  schedule: str = "cosine"
+  """cosine | linear | constant (after warmup)."""
+  warmup_steps: int | None = None
+  warmup_ratio: float = 0.05
+  max_grad_norm: float = 1.0
+  grad_accum: int = 1
+  """Micro-batches per optimizer step; the loss is normalized by their total valid tokens."""
+
+
+@dataclasses.dataclass
+class MeshConfig:
+  data: int = -1
+  """Data-parallel degree (-1: all devices left after fsdp)."""
+  fsdp: int = 1
+  """Degree over which frozen weights are sharded."""
+
+
+@dataclasses.dataclass
+class EvalConfig:
+  eval_every: int = 20
+  """Validation loss every N optimizer steps (and at the end); 0: only at the end."""
+  early_stopping_patience: int | None = None
+  """Stop after this many evaluations without a better validation loss."""
+  generate: bool = True
+  """At the end: generate on held-out prompts with the base and the tuned model, score both."""
+  num_prompts: int = 24
+  max_new_tokens: int = 16
+
+
+@dataclasses.dataclass
+class TrainConfig:
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+  output_dir: str = "runs/default"
+  epochs: int = 1
+  max_steps: int | None = None
+  """Stop after this many optimizer steps (default: `epochs` passes over the data)."""
+  save_every: int = 50
+  """Orbax checkpoint (and PEFT adapter) every N steps; 0: only at the end."""
+  keep_checkpoints: int = 2
+  resume: bool = False
+  """Continue from the latest checkpoint in output_dir."""
+  seed: int = 0
+  max_nonfinite_steps: int = 3
+  """Stop after this many consecutive steps with a non-finite loss or gradient."""
+  progress: bool = True
+
+
+# Short command-line names for the keys people type most.
+ALIASES = {
+    "lr": "optim.lr",
+    "data": "data.path",
+    "val-data": "data.val_path",
+    "field-map": "data.field_map",
+    "model": "model.name",
+    "output-dir": "output_dir",
+    "max-steps": "max_steps",
+    "batching": "data.batching",
+    "batch-size": "data.batch_size",
+    "max-length": "data.max_length",
+    "grad-accum": "optim.grad_accum",
+    "dtype": "model.dtype",
+}
+CHOICES = {
+    "model.dtype": ("float32", "bfloat16"),
+    "data.batching": ("static", "dynamic", "bucketed", "packed"),
+    "data.train_on": ("all_assistant", "last"),
+    "data.on_error": ("raise", "skip"),
+    "data.format": ("auto", "alpaca", "messages", "sharegpt", "prompt_completion"),
+    "optim.schedule": ("cosine", "linear", "constant"),
+}
+
+
+def fields(cls=TrainConfig, prefix="") -> dict[str, tuple[Any, str]]:
+  """Every leaf key of the tree, dotted, with its type and its doc line."""
+  docs = _field_docs(cls)
+  out = {}
+  hints = typing.get_type_hints(cls)
+  for f in dataclasses.fields(cls):
+    tp = hints[f.name]
+    if dataclasses.is_dataclass(tp):
+      out.update(fields(tp, f"{prefix}{f.name}."))
+    else:
+      out[prefix + f.name] = (tp, docs.get(f.name, ""))
+  return out
+
+
+def _field_docs(cls) -> dict[str, str]:
+  """Attribute docstrings (the string literal after a field) from the source."""
+  import ast
+  import inspect
+
+  try:
+    tree = ast.parse(inspect.getsource(cls))
+  except (OSError, TypeError):
+    return {}
+  body = tree.body[0].body
+  docs = {}
+  for prev, node in zip(body, body[1:]):
+    if isinstance(prev, ast.AnnAssign) and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+      docs[prev.target.id] = " ".join(str(node.value.value).split())
+  return docs
+
+
+def coerce(key: str, tp, value):
+  """Convert `value` (from YAML or a command-line string) to the field's type, or raise."""
+  origin = typing.get_origin(tp)
+  args = typing.get_args(tp)
+  if origin in (typing.Union, types.UnionType):
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+      if type(None) in args:
+        return None
+    inner = [a for a in args if a is not type(None)]
+    return coerce(key, inner[0], value)
+  try:
+    if tp is bool:
+      if isinstance(value, bool):
+        return value
+      if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        return value.lower() in ("true", "1", "yes", "on")
+      raise ValueError
+    if tp is int:
+      if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError
+      return int(value)
+    if tp is float:
+      if isinstance(value, bool):
+        raise ValueError
+      return float(value)
+    if tp is str:
+      if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        raise ValueError
+      value = str(value)
+      if key in CHOICES and value not in CHOICES[key]:
+        raise ConfigError(f"{key}: {value!r} is not one of {list(CHOICES[key])}")
+      return value
+    if origin is tuple:
+      if isinstance(value, str):
+        value = json.loads(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
+      if not isinstance(value, (list, tuple)):
+        raise ValueError
+      return tuple(coerce(key, args[0], v) for v in value)
+    if origin is dict:
+      if isinstance(value, str):
+        value = json.loads(value)
+      if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise ValueError
+      return dict(value)
+  except ConfigError:
+    raise
+  except (ValueError, TypeError, json.JSONDecodeError):
+    raise ConfigError(f"{key}: {value!r} is not a valid {_type_name(tp)}") from None
+  raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def _type_name(tp) -> str:
+  return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def apply_overrides(config: TrainConfig, overrides: dict[str, Any], source: str = "command line") -> TrainConfig:
+  """Set dotted keys on a copy of `config`; unknown keys raise with the list of valid ones."""
+  config = _deepcopy(config)
+  valid = fields()
+  for key, value in overrides.items():
+    key = ALIASES.get(key, key).replace("-", "_")
+    if key not in valid:
+      raise ConfigError(f"{source}: unknown key {key!r}. Valid keys: {', '.join(sorted(valid))}")
+    tp, _ = valid[key]
+    obj = config
+    *parents, leaf = key.split(".")
+    for p in parents:
+      obj = getattr(obj, p)
+    setattr(obj, leaf, coerce(key, tp, value))
+  return config
+
+
+def _deepcopy(config):
+  import copy
+
+  return copy.deepcopy(config)
+
+
+def flatten_yaml(tree: dict, path: str, prefix: str = "") -> dict[str, Any]:
+  """Nested YAML mapping → dotted keys; a section given a non-mapping is an error."""
+  out = {}
+  sections = {k.rsplit(".", 1)[0] for k in fields() if "." in k}
+  for key, value in tree.items():
+    dotted = f"{prefix}{key}"
+    if dotted in sections:
+      if not isinstance(value, dict):
+        raise ConfigError(f"{path}: {dotted!r} is a section; give it a mapping, not {value!r}")
+      out.update(flatten_yaml(value, path, dotted + "."))
+    else:
+      out[dotted] = value
+  return out
+
+
+def load_yaml(path: str | pathlib.Path, base: TrainConfig | None = None) -> TrainConfig:
+  import yaml
+
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise ConfigError(f"config file {path} does not exist")
+  try:
+    tree = yaml.safe_load(path.read_text()) or {}
+  except yaml.YAMLError as e:
+    raise ConfigError(f"{path}: not valid YAML: {e}") from None
+  if not isinstance(tree, dict):
+    raise ConfigError(f"{path}: the top level must be a mapping of config keys")
+  return apply_overrides(base or TrainConfig(), flatten_yaml(tree, str(path)), source=str(path))
+
+
+def to_dict(config: TrainConfig) -> dict:
+  return dataclasses.asdict(config)
+
+
+def from_dict(tree: dict) -> TrainConfig:
+  return apply_overrides(TrainConfig(), flatten_yaml(tree, "<dict>"), source="<dict>")
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """`--help` documents every key (dotted, with its alias, type, default and meaning)."""
+  parser = argparse.ArgumentParser(
+      prog="python -m jaxsft.train",
+      description="LoRA supervised fine-tuning in JAX. With no arguments it fine-tunes SmolLM2-135M-Instruct "
+      "on jaxsft's built-in synthetic task set. Overrides: --key value, --key=value or key=value.",
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      allow_abbrev=False,
+      epilog="Example: python -m jaxsft.train --config configs/alpaca.yaml --lr 1e-4 max_steps=100",
+  )
+  parser.add_argument("--config", help="YAML file mirroring the config tree (configs/*.yaml)")
+  defaults = TrainConfig()
+  reverse_alias = {v: k for k, v in ALIASES.items()}
+  for key, (tp, doc) in fields().items():
+    obj = defaults
+    for part in key.split("."):
+      obj = getattr(obj, part)
+    names = [f"--{key}"] + ([f"--{reverse_alias[key]}"] if key in reverse_alias else [])
+    choices = f" {{{'|'.join(CHOICES[key])}}}" if key in CHOICES else ""
+    help_text = f"{doc} [{_type_name(tp)}{choices}; default {obj!r}]".strip()
+    if tp is bool:
+      parser.add_argument(*names, dest=key, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+    else:
+      parser.add_argument(*names, dest=key, default=argparse.SUPPRESS, metavar=key.rsplit(".", 1)[-1].upper(), help=help_text)
+  parser.add_argument("overrides", nargs="*", help="key=value overrides (dotted keys or aliases)")
+  return parser
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+  """Defaults ← --config YAML ← --flags ← key=value; every step validated."""
+  parser = build_parser()
+  ns, unknown = parser.parse_known_intermixed_args(sys.argv[1:] if argv is None else argv)
+  if unknown:
+    valid = sorted(fields()) + sorted(ALIASES)
+    raise ConfigError(f"unknown option(s) {' '.join(unknown)}. Valid keys: {', '.join(valid)}")
+  args = vars(ns)
+  config = load_yaml(args.pop("config")) if args.get("config") else TrainConfig()
+  args.pop("config", None)
+  positional = args.pop("overrides", [])
+  config = apply_overrides(config, args)
+  pairs = {}
+  for item in positional:
+    if "=" not in item:
+      raise ConfigError(f"override {item!r} is not key=value")
+    k, v = item.split("=", 1)
+    pairs[k.strip()] = v
+  return apply_overrides(config, pairs)

@@ -1,0 +1,102 @@
+"""Where arrays live: a (data, fsdp) device mesh and the shardings of batches and params.
+
+Batches are split over both axes (every device gets different rows); frozen base weights are
+sharded over `fsdp` along their largest divisible dimension (replicated when fsdp == 1); LoRA
+params are tiny and replicated, and their optimizer state follows them. The train step's sums
+(Σ nll, Σ valid, Σ grad) then run over the global batch: XLA inserts the all-reduces, and the
+loss keeps its global normalization with no code of ours on the communication path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+BATCH_AXES = ("data", "fsdp")
+
+
+class MeshError(ValueError):
+  """A mesh that doesn't fit the devices, or a batch size the data axes don't divide."""
+
+
+@dataclasses.dataclass
+class MeshContext:
+  mesh: jax.sharding.Mesh
+
+  @property
+  def batch_sharding(self) -> NamedSharding:
+    return NamedSharding(self.mesh, P(BATCH_AXES))
+
+  @property
+  def replicated(self) -> NamedSharding:
+    return NamedSharding(self.mesh, P())
+
+  @property
+  def batch_multiple_of(self) -> int:
+    """Global batch sizes must be multiples of this (the rows are split over data × fsdp)."""
+    return int(self.mesh.shape["data"] * self.mesh.shape["fsdp"])
+
+  def replicate(self, tree):
+    return jax.device_put(tree, self.replicated)
+
+  def frozen_spec(self, x) -> P:
+    """Shard the largest dimension that fsdp divides; replicate what can't be split."""
+    n = self.mesh.shape["fsdp"]
+    if n == 1 or np.ndim(x) == 0:
+      return P()
+    dims = sorted(range(np.ndim(x)), key=lambda d: -x.shape[d])
+    for d in dims:
+      if x.shape[d] % n == 0:
+        spec = [None] * np.ndim(x)
+        spec[d] = "fsdp"
+        return P(*spec)
+    return P()
+
+  def shard_frozen(self, tree):
+    return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(self.mesh, self.frozen_spec(x))), tree)
+
+  def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """Host batch (this process's rows) → one global array per key, split over the batch axes."""
+    sharding = self.batch_sharding
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}
+
+
+def maybe_initialize_distributed():
+  """Multi-host: `jax.distributed.initialize` when the launcher set the coordinator variables."""
+  if os.environ.get("JAX_COORDINATOR_ADDRESS") and not jax.distributed.is_initialized():
+    jax.distributed.initialize(
+        coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+        num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+        process_id=int(os.environ["JAX_PROCESS_ID"]),
+    )
+
+
+def make_mesh_context(mesh_cfg) -> MeshContext:
+  """`mesh: {data: -1, fsdp: 1}` → a Mesh over all devices (-1 takes what fsdp leaves)."""
+  n = jax.device_count()
+  data, fsdp = mesh_cfg.data, mesh_cfg.fsdp
+  if fsdp < 1 or data == 0 or data < -1:
+    raise MeshError(f"mesh: data={data}, fsdp={fsdp}: sizes must be positive (data may be -1)")
+  if data == -1:
+    if n % fsdp:
+      raise MeshError(f"mesh: fsdp={fsdp} does not divide the {n} available devices")
+    data = n // fsdp
+  if data * fsdp != n:
+    raise MeshError(f"mesh: data={data} × fsdp={fsdp} = {data * fsdp} devices, but {n} are available "
+                    f"({jax.devices()[0].platform}); use data=-1 to take all of them")
+  return MeshContext(jax.make_mesh((data, fsdp), ("data", "fsdp")))
+
+
+def check_batch_sizes(cfg, ctx: MeshContext):
+  """Every bucket's batch size must split evenly over data × fsdp (checked before compiling)."""
+  m = ctx.batch_multiple_of
+  if cfg.data.tokens_per_batch is None and cfg.data.batch_size % m:
+    raise MeshError(f"data.batch_size={cfg.data.batch_size} is not a multiple of the {m} devices on the "
+                    f"data×fsdp axes; use a multiple of {m}")
+  if cfg.data.batch_size < 1:
+    raise MeshError("data.batch_size must be at least 1")

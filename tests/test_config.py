@@ -1,0 +1,60 @@
+"""The config tree: YAML + flags + key=value, every key checked."""
+
+import pytest
+
+from jaxsft import config as c
+
+
+def test_defaults_and_overrides_in_every_form():
+  cfg = c.parse_args(["--lr", "1e-4", "max_steps=10", "--lora.target_modules", "q_proj,v_proj,o_proj",
+                      "--field-map", '{"output": "response"}', "--resume", "data.batching=packed"])
+  assert cfg.optim.lr == 1e-4 and cfg.max_steps == 10 and cfg.resume is True
+  assert cfg.lora.target_modules == ("q_proj", "v_proj", "o_proj")
+  assert cfg.data.field_map == {"output": "response"} and cfg.data.batching == "packed"
+  assert c.parse_args([]) == c.TrainConfig()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--lrr", "1"], ["unknown option", "--lrr", "optim.lr"]),
+    (["optim.lr=abc"], ["optim.lr", "'abc'", "float"]),
+    (["data.batching=foo"], ["data.batching", "static", "packed"]),
+    (["--epochs", "1.5"], ["epochs", "int"]),
+    (["nonsense=1"], ["unknown key 'nonsense'", "optim.lr"]),
+    (["justaword"], ["not key=value"]),
+])
+def test_bad_keys_and_values_are_clear_errors(argv, words):
+  with pytest.raises(c.ConfigError) as e:
+    c.parse_args(argv)
+  for w in words:
+    assert w in str(e.value)
+
+
+def test_yaml_is_validated_with_the_file_named(tmp_path):
+  good = tmp_path / "good.yaml"
+  good.write_text("optim:\n  lr: 3.0e-4\n  grad_accum: 2\ndata:\n  batching: dynamic\nmax_steps: 5\n")
+  cfg = c.parse_args(["--config", str(good), "--max-steps", "7"])
+  assert (cfg.optim.lr, cfg.optim.grad_accum, cfg.data.batching, cfg.max_steps) == (3e-4, 2, "dynamic", 7)
+  bad = tmp_path / "bad.yaml"
+  bad.write_text("optim:\n  learning_rate: 1\n")
+  with pytest.raises(c.ConfigError, match=r"bad\.yaml.*unknown key 'optim\.learning_rate'.*optim\.lr"):
+    c.parse_args(["--config", str(bad)])
+  section = tmp_path / "section.yaml"
+  section.write_text("optim: 5\n")
+  with pytest.raises(c.ConfigError, match="section"):
+    c.parse_args(["--config", str(section)])
+
+
+def test_every_key_is_in_help():
+  text = c.build_parser().format_help()
+  for key in c.fields():
+    assert f"--{key}" in text
+  assert "--lr" in text and "--data" in text
+
+
+def test_shipped_configs_parse():
+  import pathlib
+
+  configs = sorted((pathlib.Path(__file__).parents[1] / "configs").glob("*.yaml"))
+  assert configs, "configs/ holds the default and at least one real-data config"
+  for path in configs:
+    c.load_yaml(path)
