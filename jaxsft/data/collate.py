@@ -1,0 +1,157 @@
+"""Padding tokenized examples into (B, T) batches, and choosing bucket lengths.
+
+Pure numpy. A feature is `{"input_ids": int[L], "labels": int[L]}` (labels aligned with
+input_ids, -100 on untrained tokens; the loss does the shift).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+IGNORE_INDEX = -100
+
+
+def round_up(n: int, multiple: int | None) -> int:
+  """The smallest multiple of `multiple` that is >= n (n itself when multiple is None or 1)."""
+  if not multiple or multiple <= 1:
+    return int(n)
+  return int(-(-n // multiple) * multiple)
+
+
+def target_length(max_len: int, *, bucket_lengths: Sequence[int] | None = None,
+                  pad_to_multiple_of: int | None = None) -> int:
+  """T for a batch whose longest feature has `max_len` tokens.
+
+  The smallest bucket >= max_len when `bucket_lengths` is given, else max_len rounded up to
+  `pad_to_multiple_of`.
+  """
+  if bucket_lengths is None:
+    return round_up(max_len, pad_to_multiple_of)
+  buckets = sorted(bucket_lengths)
+  i = int(np.searchsorted(buckets, max_len, side="left"))
+  if i == len(buckets):
+    raise ValueError(f"a feature of length {max_len} fits no bucket (largest is {buckets[-1]})")
+  return int(buckets[i])
+
+
+def collate(features: Sequence[dict], *, pad_token_id: int, bucket_lengths: Sequence[int] | None = None,
+            pad_to_multiple_of: int | None = None, batch_size: int | None = None) -> dict[str, np.ndarray]:
+  """Right-pads features into a batch of int32 `(B, T)` arrays.
+
+  Returns `input_ids` (`pad_token_id` on padding), `attention_mask` (1 on real tokens, 0 on
+  padding) and `labels` (-100 on padding). T is `target_length(max_i L_i, ...)`. With
+  `batch_size` > len(features), the batch is filled with all-padding rows (attention_mask 0,
+  labels -100) so every batch of a bucket has one shape. A feature without `labels` gets
+  `labels = input_ids` (every token trained).
+  """
+  if not features:
+    raise ValueError("collate needs at least one feature")
+  n = len(features)
+  rows = n if batch_size is None else batch_size
+  if rows < n:
+    raise ValueError(f"batch_size {batch_size} < number of features {n}")
+  lengths = [len(f["input_ids"]) for f in features]
+  width = target_length(max(lengths), bucket_lengths=bucket_lengths, pad_to_multiple_of=pad_to_multiple_of)
+  input_ids = np.full((rows, width), pad_token_id, dtype=np.int32)
+  labels = np.full((rows, width), IGNORE_INDEX, dtype=np.int32)
+  attention_mask = np.zeros((rows, width), dtype=np.int32)
+  for i, (f, length) in enumerate(zip(features, lengths)):
+    ids = f["input_ids"]
+    lab = f.get("labels", ids)
+    if len(lab) != length:
+      raise ValueError(f"feature {i}: labels has length {len(lab)}, input_ids {length}")
+    input_ids[i, :length] = ids
+    labels[i, :length] = lab
+    attention_mask[i, :length] = 1
+  return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+# ---------------------------------------------------------------------------------------------
+# Bucket choice and padding arithmetic.
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddingCost:
+  """Tokens of a batching plan: `real` (sum of lengths), `padded` (B*T summed over batches, the
+  tokens the model computes on), `waste = padded - real`, `waste_frac = waste / padded`."""
+
+  real: int
+  padded: int
+  num_shapes: int = 1
+
+  @property
+  def waste(self) -> int:
+    return self.padded - self.real
+
+  @property
+  def waste_frac(self) -> float:
+    return self.waste / self.padded if self.padded else 0.0
+
+
+def padding_cost(lengths: Sequence[int], bucket_lengths: Sequence[int]) -> PaddingCost:
+  """Cost of padding every example to its bucket (no batching effects):
+  `padded = sum_i min{b in buckets : b >= l_i}`."""
+  lengths = np.asarray(lengths, dtype=np.int64)
+  buckets = np.sort(np.asarray(bucket_lengths, dtype=np.int64))
+  idx = np.searchsorted(buckets, lengths, side="left")
+  if lengths.size and idx.max() >= len(buckets):
+    raise ValueError(f"an example of length {lengths.max()} fits no bucket (largest is {buckets[-1]})")
+  return PaddingCost(real=int(lengths.sum()), padded=int(buckets[idx].sum()),
+                     num_shapes=int(np.unique(idx).size))
+
+
+def choose_buckets(lengths: Sequence[int], num_buckets: int, *, multiple_of: int = 8,
+                   max_length: int | None = None) -> list[int]:
+  """Bucket boundaries minimizing the padded tokens of padding each example to its bucket.
+
+  With lengths rounded up to `multiple_of` (clipped to `max_length`) taking the distinct values
+  `v_1 < ... < v_d` with counts `c_j`, a bucket boundary at `v_b` holding `v_{a+1..b}` pads to
+  `v_b * sum_{j=a+1..b} c_j` tokens. The largest boundary is always `v_d` (the longest example,
+  which is `max_length` once examples are truncated to it). Exact dynamic programming:
+
+    `D[k][b] = min_{a<b} D[k-1][a] + v_b * (C_b - C_a)`,  `C_b = sum_{j<=b} c_j`,
+
+  over at most `num_buckets` buckets: O(K d^2) with d <= max_length / multiple_of.
+
+  Returns:
+    Sorted boundaries (at most `num_buckets`, fewer when there are fewer distinct values).
+  """
+  if num_buckets < 1:
+    raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
+  lengths = np.asarray(lengths, dtype=np.int64)
+  if lengths.size == 0:
+    raise ValueError("choose_buckets needs at least one length")
+  m = max(int(multiple_of or 1), 1)
+  rounded_all = -(-lengths // m) * m
+  if max_length is not None:
+    rounded_all = np.minimum(rounded_all, max_length)
+  values, counts = np.unique(rounded_all, return_counts=True)
+  d = len(values)
+  if d <= num_buckets:
+    return [int(v) for v in values]
+  csum = np.cumsum(counts)  # C_b, b = 0..d-1 (0-based)
+  v = values.astype(np.float64)
+  # cost[k][b]: least padded tokens covering values 0..b with at most k+1 buckets, the last
+  # ending at v_b; prev[k][b]: where the previous bucket ends (-1: this layer did not help).
+  cost = [v * csum]
+  prev = [np.full(d, -1)]
+  upper = np.triu(np.ones((d, d), dtype=bool), k=1)  # a < b
+  for _ in range(1, num_buckets):
+    cand = np.where(upper, cost[-1][:, None] + v[None, :] * (csum[None, :] - csum[:, None]), np.inf)
+    arg = np.argmin(cand, axis=0)
+    new = cand[arg, np.arange(d)]
+    better = new < cost[-1]
+    prev.append(np.where(better, arg, -1))
+    cost.append(np.where(better, new, cost[-1]))
+  bounds, k, b = [], num_buckets - 1, d - 1
+  while True:
+    while k > 0 and prev[k][b] < 0:  # at most k buckets did as well as at most k+1
+      k -= 1
+    bounds.append(int(values[b]))
+    if k == 0:
+      break
+    k, b = k - 1, int(prev[k][b])
+  return sorted(bounds)
