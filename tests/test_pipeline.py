@@ -1,0 +1,162 @@
+"""make_batches / batch_shapes: shapes, epochs, drops, packing, determinism and exact resume."""
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxsft.data import IGNORE_INDEX, PipelineStats, Records, batch_shapes, load_records, make_batches, tokenized
+
+MAX_LENGTH = 256
+
+
+@pytest.fixture(scope="module")
+def records(shared_data):
+  alpaca = load_records(shared_data / "alpaca_en_demo.json")
+  chat = load_records(shared_data / "chat_multiturn_demo.json")
+  return Records(list(alpaca[:150]) + list(chat[:50]))
+
+
+@pytest.fixture(scope="module")
+def examples(records, tokenizer):
+  return tokenized(records, tokenizer, max_length=MAX_LENGTH)[0]
+
+
+def rows_of(batches):
+  """The real (non-fill) rows of batches as (input_ids, labels) tuples."""
+  out = []
+  for b in batches:
+    for ids, mask, labels in zip(b["input_ids"], b["attention_mask"], b["labels"]):
+      n = int(mask.sum())
+      if n:
+        out.append((tuple(ids[:n].tolist()), tuple(labels[:n].tolist())))
+  return out
+
+
+def as_key(example):
+  return tuple(example["input_ids"].tolist()), tuple(example["labels"].tolist())
+
+
+@pytest.mark.parametrize("batching", ["bucketed", "dynamic", "static"])
+def test_every_example_once_per_epoch_in_listed_shapes(records, tokenizer, examples, batching):
+  stats = PipelineStats()
+  config = dict(max_length=MAX_LENGTH, batching=batching, batch_size=8, num_epochs=2)
+  batches = list(make_batches(records, tokenizer, stats=stats, **config))
+  shapes = batch_shapes(records, tokenizer, **config)
+  kept = sorted(as_key(e) for e in examples if e is not None)
+  for epoch in (0, 1):
+    assert sorted(rows_of([b for b in batches if b["epoch"] == epoch])) == kept  # nothing lost or repeated
+  for b in batches:
+    assert b["input_ids"].shape in shapes and b["input_ids"].dtype == np.int32
+    assert set(b) == {"input_ids", "attention_mask", "labels", "epoch"} and b["epoch"].shape == ()
+    fill = b["attention_mask"].sum(axis=1) == 0
+    assert (b["labels"][fill] == IGNORE_INDEX).all() and (b["input_ids"][fill] == tokenizer.pad_token_id).all()
+  assert [int(b["epoch"]) for b in batches] == sorted(int(b["epoch"]) for b in batches)
+  assert stats.examples == 2 * len(records) and stats.batches == len(batches)
+  assert stats.truncated > 0 and stats.dropped == 2 * sum(e is None for e in examples)
+  assert stats.label_tokens == sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+  if batching == "bucketed":
+    assert len(shapes) == 8 and shapes[-1][1] == MAX_LENGTH
+
+
+def test_drops_are_counted(records, tokenizer):
+  stats = PipelineStats()
+  short = tokenized(records, tokenizer, max_length=40)[0]
+  batches = list(make_batches(records, tokenizer, max_length=40, bucket_lengths=[16, 32, 40], stats=stats))
+  dropped = sum(e is None for e in short)
+  assert dropped > 0 and stats.dropped == dropped == stats.dropped_per_epoch[0]
+  assert len(rows_of(batches)) == len(records) - dropped
+
+
+def test_token_budget_and_batch_multiple(records, tokenizer):
+  config = dict(max_length=MAX_LENGTH, bucket_lengths=[64, 128, 200, 256], tokens_per_batch=1000,
+                batch_multiple_of=2)
+  shapes = batch_shapes(records, tokenizer, **config)
+  assert shapes == [(2, 256), (4, 200), (6, 128), (14, 64)]  # 1000 // T rounded down to a multiple of 2
+  for b in make_batches(records, tokenizer, **config):
+    assert b["input_ids"].shape in shapes
+
+
+def test_reshuffles_each_epoch_and_is_deterministic(records, tokenizer):
+  config = dict(max_length=MAX_LENGTH, batching="dynamic", batch_size=4, num_epochs=2, seed=3)
+  first = list(make_batches(records, tokenizer, **config))
+  again = list(make_batches(records, tokenizer, **config))
+  assert all((a[k] == b[k]).all() for a, b in zip(first, again) for k in a) and len(first) == len(again)
+  epoch0 = rows_of([b for b in first if b["epoch"] == 0])
+  epoch1 = rows_of([b for b in first if b["epoch"] == 1])
+  assert epoch0 != epoch1 and sorted(epoch0) == sorted(epoch1)
+  other = rows_of(make_batches(records, tokenizer, **{**config, "seed": 4, "num_epochs": 1}))
+  assert other != epoch0
+
+
+def test_repeat_forever(records, tokenizer):
+  it = iter(make_batches(records, tokenizer, max_length=MAX_LENGTH, batch_size=16, num_epochs=None))
+  epochs = {int(next(it)["epoch"]) for _ in range(60)}
+  assert epochs >= {0, 1, 2}
+
+
+def test_packed(records, tokenizer, examples):
+  stats = PipelineStats()
+  batches = list(make_batches(records, tokenizer, max_length=MAX_LENGTH, batching="packed", batch_size=4,
+                              stats=stats))
+  assert batch_shapes(records, tokenizer, max_length=MAX_LENGTH, batching="packed", batch_size=4) == [(4, MAX_LENGTH)]
+  segments = []
+  for b in batches:
+    assert b["input_ids"].shape == (4, MAX_LENGTH)
+    seg, pos = b["segment_ids"], b["positions"]
+    np.testing.assert_array_equal(b["attention_mask"], (seg > 0).astype(np.int32))
+    assert (b["input_ids"][seg == 0] == tokenizer.pad_token_id).all() and (b["labels"][seg == 0] == IGNORE_INDEX).all()
+    assert (pos[seg == 0] == 0).all() and (b["labels"][(pos == 0)] == IGNORE_INDEX).all()
+    for row in range(4):
+      for s in range(1, seg[row].max() + 1):
+        at = np.flatnonzero(seg[row] == s)
+        assert (np.diff(at) == 1).all() and pos[row, at].tolist() == list(range(len(at)))
+        segments.append((tuple(b["input_ids"][row, at].tolist()), tuple(b["labels"][row, at[1:]].tolist())))
+  expected = sorted((k[0], k[1][1:]) for k in map(as_key, (e for e in examples if e is not None)))
+  assert sorted(segments) == expected  # every example packed once; only its first label is masked
+  assert stats.padded_tokens == len(batches) * 4 * MAX_LENGTH
+
+
+def resume_matches(dataset, stop_after):
+  uninterrupted = list(dataset)
+  it = iter(dataset)
+  for _ in range(stop_after):
+    next(it)
+  state = json.loads(json.dumps(it.get_state()))  # checkpoints store JSON
+  if hasattr(it, "close"):
+    it.close()
+  restored = iter(dataset)
+  restored.set_state(state)
+  rest = list(restored)
+  assert len(rest) == len(uninterrupted) - stop_after
+  for a, b in zip(rest, uninterrupted[stop_after:]):
+    assert set(a) == set(b)
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k])
+
+
+@pytest.mark.parametrize("batching,stop_after", [("bucketed", 7), ("bucketed", 31), ("dynamic", 19),
+                                                 ("static", 26), ("packed", 9)])
+def test_resume_mid_epoch_gives_identical_batches(records, tokenizer, batching, stop_after):
+  ds = make_batches(records, tokenizer, max_length=MAX_LENGTH, batching=batching, batch_size=8, num_epochs=2)
+  assert len(list(ds)) > stop_after
+  resume_matches(ds, stop_after)
+
+
+def test_resume_with_workers(records, tokenizer):
+  plain = Records(list(records[:120]))  # not tokenized up front: tokenization runs in the workers
+  ds = make_batches(plain, tokenizer, max_length=MAX_LENGTH, bucket_lengths=[64, 128, 192, 256], batch_size=4,
+                    num_epochs=2, worker_count=2)
+  resume_matches(ds, 23)
+  serial = list(make_batches(plain, tokenizer, max_length=MAX_LENGTH, bucket_lengths=[64, 128, 192, 256],
+                             batch_size=4, num_epochs=2))
+  assert sorted(rows_of(serial)) == sorted(rows_of(list(ds)))
+
+
+def test_bad_configs(records, tokenizer):
+  with pytest.raises(ValueError, match="batching must be one of"):
+    make_batches(records, tokenizer, max_length=64, batching="sorted")
+  with pytest.raises(ValueError, match="multiple of batch_multiple_of"):
+    make_batches(records, tokenizer, max_length=64, batch_size=6, batch_multiple_of=4)
+  with pytest.raises(ValueError, match="largest bucket"):
+    make_batches(records, tokenizer, max_length=64, bucket_lengths=[16, 32])

@@ -1,0 +1,126 @@
+"""tokenize_example: labels from the reply spans of the rendered chat template (real tokenizer)."""
+
+import copy
+
+import numpy as np
+import pytest
+
+from jaxsft.data import IGNORE_INDEX, load_records, render_with_spans, tokenize_example, tokenize_records
+
+IM_END = "<|im_end|>"
+
+
+def trained_runs(example):
+  """Contiguous runs of trained token ids."""
+  runs, current = [], []
+  for token, label in zip(example["input_ids"], example["labels"]):
+    if label != IGNORE_INDEX:
+      assert label == token  # labels are aligned with input_ids
+      current.append(int(token))
+    elif current:
+      runs.append(current)
+      current = []
+  return runs + ([current] if current else [])
+
+
+@pytest.fixture(scope="module")
+def chat(shared_data):
+  return load_records(shared_data / "chat_multiturn_demo.json")
+
+
+def test_multiturn_trained_spans_are_exactly_the_replies(tokenizer, chat):
+  multi = 0
+  for record in chat:
+    example = tokenize_example(tokenizer, record, max_length=100_000)
+    replies = [m["content"] for m in record["messages"] if m["role"] == "assistant"]
+    multi += len(replies) > 1
+    runs = trained_runs(example)
+    assert len(runs) == len(replies)
+    for run, reply in zip(runs, replies):
+      decoded = tokenizer.decode(run)
+      # A reply starting with whitespace shares its first token with the "\n" after "assistant".
+      assert decoded.endswith(reply + IM_END)
+      assert decoded[: -len(reply + IM_END)] in ("", "\n")
+  assert multi >= 70  # the file has 77 multi-turn conversations
+
+
+def test_prompt_and_system_tokens_are_never_trained(tokenizer, chat):
+  record = {"messages": [{"role": "system", "content": "Be brief."}] + chat[0]["messages"]}
+  example = tokenize_example(tokenizer, record, max_length=100_000)
+  text, spans = render_with_spans(tokenizer, record)
+  assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
+  enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+  for (start, end), label in zip(enc["offset_mapping"], example["labels"]):
+    inside = any(start < e and end > s for s, e in spans)
+    assert (label != IGNORE_INDEX) == inside
+  # the generation prompt "<|im_start|>assistant\n" is not trained
+  header = tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+  ids = example["input_ids"].tolist()
+  at = next(i for i in range(len(ids)) if ids[i:i + len(header)] == header)
+  assert (example["labels"][at:at + len(header)] == IGNORE_INDEX).all()
+  assert example["labels"][at + len(header)] != IGNORE_INDEX
+
+
+def test_train_on_last(tokenizer, chat):
+  record = next(r for r in chat if len(r["messages"]) >= 6)
+  example = tokenize_example(tokenizer, record, max_length=100_000, train_on="last")
+  runs = trained_runs(example)
+  assert len(runs) == 1 and tokenizer.decode(runs[0]).endswith(record["messages"][-1]["content"] + IM_END)
+
+
+def test_reply_starting_with_newline_merges_across_the_seam(tokenizer):
+  record = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\n\nHello"}]}
+  example = tokenize_example(tokenizer, record, max_length=64)
+  text, [(start, _)] = render_with_spans(tokenizer, record)
+  enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+  seam = [i for i, (s, e) in enumerate(enc["offset_mapping"]) if s < start < e]
+  assert len(seam) == 1  # one token covers "\n" of the header and the reply's first "\n"
+  assert example["labels"][seam[0]] == example["input_ids"][seam[0]]
+  assert tokenizer.decode(trained_runs(example)[0]) == "\n\n\nHello" + IM_END
+  # A token-prefix check would have failed here: the prompt's tokens are not a prefix of the full tokens.
+  prompt = tokenizer.apply_chat_template(record["messages"][:1], tokenize=False, add_generation_prompt=True)
+  prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+  assert example["input_ids"][: len(prompt_ids)].tolist() != prompt_ids
+
+
+def test_no_double_bos_and_pad_eos_not_used_for_masking(tokenizer, chat):
+  example = tokenize_example(tokenizer, chat[0], max_length=100_000)
+  assert example["input_ids"][0] == tokenizer.bos_token_id and example["input_ids"][1] != tokenizer.bos_token_id
+  im_end = tokenizer.convert_tokens_to_ids(IM_END)
+  ends = np.flatnonzero(example["input_ids"] == im_end)
+  # system and user <|im_end|> are not trained, the reply's is: same id, different labels
+  assert example["labels"][ends[0]] == IGNORE_INDEX and example["labels"][ends[-1]] == im_end
+
+
+def test_truncation_keeps_start_and_drops_untrained(tokenizer, chat):
+  full = tokenize_example(tokenizer, chat[0], max_length=100_000)
+  n_prompt = int(np.argmax(full["labels"] != IGNORE_INDEX))
+  cut = tokenize_example(tokenizer, chat[0], max_length=n_prompt + 3)
+  np.testing.assert_array_equal(cut["input_ids"], full["input_ids"][: n_prompt + 3])
+  np.testing.assert_array_equal(cut["labels"], full["labels"][: n_prompt + 3])
+  assert tokenize_example(tokenizer, chat[0], max_length=n_prompt) is None
+
+
+def test_plain_template_without_chat_template(tokenizer):
+  plain = copy.deepcopy(tokenizer)
+  plain.chat_template = None
+  record = {"messages": [{"role": "system", "content": "S."}, {"role": "user", "content": "Q?"},
+                         {"role": "assistant", "content": "A."}]}
+  text, spans = render_with_spans(plain, record)
+  assert text == "S.\n\nUser: Q?\n\nAssistant: A.<|im_end|>\n\n"
+  assert [text[s:e] for s, e in spans] == ["A.<|im_end|>"]
+  example = tokenize_example(plain, record, max_length=64)
+  assert tokenizer.decode(trained_runs(example)[0]) == " A.<|im_end|>"  # " A" overlaps the reply
+
+
+def test_batched_equals_single(tokenizer, chat):
+  sample = chat[:40]
+  examples, full_lengths = tokenize_records(tokenizer, sample, max_length=512)
+  for record, example, n in zip(sample, examples, full_lengths):
+    single = tokenize_example(tokenizer, record, max_length=512)
+    if single is None:
+      assert example is None
+      continue
+    np.testing.assert_array_equal(example["input_ids"], single["input_ids"])
+    np.testing.assert_array_equal(example["labels"], single["labels"])
+    assert min(n, 512) == len(single["input_ids"])  # n: the length before truncation
