@@ -1,0 +1,408 @@
+"""The loss-curve doctor: classify a training curve and say what to change.
+
+`diagnose` reads the per-step training loss (and the validation loss, when there is one) and
+returns one of the patterns of the fine-tuning checklist, with the likely cause and the fix:
+
+  pattern          what the curve does                               likely cause
+  healthy          decreases, then plateaus                          -
+  near_zero_early  ~0 within the first epoch                         LR too high / tiny repetitive data
+  oscillating      swings without a trend                            LR too high / batch too small
+  overfitting      decreases then rises, or train falls while        memorizing the training set
+                   validation rises
+  flat             barely moves                                      LR too low / rank too small / no
+                                                                     gradient reaching the adapter
+  diverging        ends clearly above where it started, or goes      LR far too high / numerics
+                   non-finite
+  too_short        fewer than MIN_POINTS finite losses               -
+
+`python -m jaxsft.doctor RUN_DIR` prints the diagnosis of `RUN_DIR/metrics.jsonl`.
+
+Statistics (all robust to the odd spike; n = number of finite train losses):
+
+  k = clip(n // 10, 3, 50)                  points averaged at each end of the run
+  s = rolling median of the loss, centered window w = clip(n // 10, 5, 51) (odd)
+  first, last = median(loss[:k]), median(loss[-k:])
+  noise = 1.4826 * MAD(loss - median of its w - 1 neighbours) / sqrt(1 + pi / (2 (w - 1)))
+                                            per-step noise (the std of Gaussian noise)
+  se = 1.2533 * noise * sqrt(2 / k)         std error of (first - last): medians of k points
+  drop = first - last,  rel_drop = drop / first,  noise_rel = noise / last
+  trend_to_noise = drop / noise
+
+Rules, first match wins:
+
+  1. diverging        a non-finite loss among the last 3, or >= max(3, 5% of n) non-finite
+  2. too_short        n < MIN_POINTS (8)
+  3. diverging        last > first + max(DIVERGE_REL_RISE * first, 3 se)          (10%)
+  4. near_zero_early  s < NEAR_ZERO (0.05 nats/token) by the end of the first epoch
+                      (the first half of the run when the epoch length is unknown)
+  5. overfitting      validation (>= 3 points): its minimum is not the last point, the last
+                      value is >= VAL_RISE_REL (5%) above it (the last two, when two follow it,
+                      >= half that), and train did not rise by more than 2% meanwhile;
+                      or train alone: s falls to a minimum before 85% of the run by
+                      >= max(REBOUND_MIN_DROP * first, 3 se) (10%), then `last` climbs back
+                      >= max(REBOUND_FRACTION * that fall, 3 se) (25%)
+  6. no trend         drop < max(FLAT_REL_DROP * first, 2 se) (10%):
+                      oscillating if noise_rel >= NOISY_REL (0.25), else flat
+  7. oscillating      drop / noise < TREND_TO_NOISE (2) and noise_rel >= NOISY_REL: the swings
+                      are larger than the trend
+  8. healthy          otherwise; "plateaued" when the last quarter of the run holds under
+                      PLATEAU_FRACTION (20%) of the total drop
+
+Batch-to-batch noise of a well-behaved SFT run is typically 5-20% of the loss, which is why the
+oscillation threshold is 25% of the level and a trend must stand 2 standard errors above it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+import sys
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
+
+MIN_POINTS = 8
+NEAR_ZERO = 0.05
+DIVERGE_REL_RISE = 0.10
+VAL_RISE_REL = 0.05
+REBOUND_MIN_DROP = 0.10
+REBOUND_FRACTION = 0.25
+REBOUND_MIN_POSITION = 0.85
+FLAT_REL_DROP = 0.10
+NOISY_REL = 0.25
+TREND_TO_NOISE = 2.0
+PLATEAU_FRACTION = 0.2
+
+PATTERNS = ("healthy", "near_zero_early", "oscillating", "overfitting", "flat", "diverging", "too_short")
+
+_ADVICE = {
+    "healthy": ("the loss decreases, then levels off: training is working", "nothing to fix"),
+    "near_zero_early": (
+        "learning rate too high, or data too small and repetitive (the adapter memorizes it)",
+        "lower the learning rate 5-10x, add more diverse data, train fewer epochs"),
+    "oscillating": (
+        "learning rate too high or batch too small (noisy updates)",
+        "lower the learning rate; raise gradient accumulation for a larger effective batch"),
+    "overfitting": (
+        "the adapter is memorizing the training set instead of generalizing",
+        "train fewer epochs, use early stopping on validation loss, add more data, "
+        "raise LoRA dropout"),
+    "flat": (
+        "learning rate too low, LoRA rank too small, or no gradient reaching the adapter",
+        "check the trainable parameters (LoRA params > 0, target modules matched, labels not "
+        "all -100); raise the learning rate (LoRA typically 1e-4 to 3e-4); raise the rank"),
+    "diverging": (
+        "learning rate far too high (or numerical trouble: overflow, broken records)",
+        "lower the learning rate 10x, keep gradient clipping at 1.0, add warmup; check the "
+        "data for broken records"),
+    "too_short": (
+        f"too few logged losses to judge (fewer than {MIN_POINTS})",
+        "train longer or log the loss more often"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Diagnosis:
+  """What the curve does (`pattern`, one of PATTERNS), why, what to change, and the numbers."""
+
+  pattern: str
+  summary: str
+  likely_cause: str
+  fix: str
+  evidence: dict[str, Any]
+
+  def report(self) -> str:
+    lines = [f"loss curve: {self.pattern}", f"  {self.summary}"]
+    lines += ["evidence:"] + [f"  {k}: {_fmt(v)}" for k, v in self.evidence.items()]
+    lines += [f"likely cause: {self.likely_cause}", f"fix: {self.fix}"]
+    return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+  if isinstance(value, float):
+    return f"{value:.4g}"
+  return str(value)
+
+
+def smooth(values: Sequence[float], window: int) -> np.ndarray:
+  """Centered rolling median; windows shrink at the ends (robust to single-step spikes)."""
+  x = np.asarray(values, dtype=np.float64)
+  half = max(int(window), 1) // 2
+  if x.size == 0 or half == 0:
+    return x.copy()
+  padded = np.pad(x, half, constant_values=np.nan)
+  windows = np.lib.stride_tricks.sliding_window_view(padded, 2 * half + 1)
+  return np.nanmedian(windows, axis=1)
+
+
+def _noise(x: np.ndarray, window: int) -> float:
+  """Robust per-step noise: MAD of each point's distance to the median of its neighbours.
+
+  The point itself is left out of its window (so the residual is not shrunk towards it), and
+  the spread of a median of m Gaussian neighbours (variance ~ pi/2 sigma^2 / m) is divided out.
+  """
+  half = window // 2
+  padded = np.pad(x, half, constant_values=np.nan)
+  windows = np.lib.stride_tricks.sliding_window_view(padded, 2 * half + 1).copy()
+  windows[:, half] = np.nan
+  resid = x - np.nanmedian(windows, axis=1)
+  mad = 1.4826 * float(np.median(np.abs(resid - np.median(resid))))
+  return max(mad / math.sqrt(1 + math.pi / 2 / (2 * half)), 1e-12)
+
+
+def _odd(n: int) -> int:
+  return n if n % 2 else n + 1
+
+
+def _make(pattern: str, summary: str, evidence: dict[str, Any], *, fix: str | None = None) -> Diagnosis:
+  cause, default_fix = _ADVICE[pattern]
+  clean = {k: (round(float(v), 6) if isinstance(v, (float, np.floating)) else
+               int(v) if isinstance(v, (np.integer,)) else bool(v) if isinstance(v, np.bool_) else v)
+           for k, v in evidence.items()}
+  return Diagnosis(pattern, summary, cause, fix or default_fix, clean)
+
+
+def diagnose(train_steps: Sequence[float], train_loss: Sequence[float], *,
+             val_steps: Sequence[float] | None = None, val_loss: Sequence[float] | None = None,
+             steps_per_epoch: int | None = None) -> Diagnosis:
+  """Classify a loss curve (see the module docstring for the statistics and thresholds)."""
+  steps = np.asarray(train_steps, dtype=np.float64).reshape(-1)
+  loss = np.asarray(train_loss, dtype=np.float64).reshape(-1)
+  if steps.shape != loss.shape:
+    raise ValueError(f"diagnose: {steps.size} train steps but {loss.size} train losses")
+  order = np.argsort(steps, kind="stable")
+  steps, loss = steps[order], loss[order]
+  finite = np.isfinite(loss)
+  n_nonfinite = int((~finite).sum())
+  evidence: dict[str, Any] = {"n_points": int(finite.sum()), "n_nonfinite": n_nonfinite}
+  if n_nonfinite and (not finite[-3:].all() or n_nonfinite >= max(3, 0.05 * loss.size)):
+    first_bad = steps[~finite][0]
+    evidence["first_nonfinite_step"] = int(first_bad)
+    return _make("diverging", f"the loss became non-finite ({n_nonfinite} of {loss.size} steps, "
+                 f"first at step {int(first_bad)})", evidence)
+  steps, loss = steps[finite], loss[finite]
+  n = loss.size
+  if n < MIN_POINTS:
+    return _make("too_short", f"only {n} finite training losses", evidence)
+
+  k_first, k_last = int(np.clip(n // 20, 3, 25)), int(np.clip(n // 10, 3, 50))
+  window = _odd(int(np.clip(n // 10, 5, 51)))
+  s = smooth(loss, window)
+  first, last = float(np.median(loss[:k_first])), float(np.median(loss[-k_last:]))
+  noise = _noise(loss, window)
+  se = 1.2533 * noise * math.sqrt(1.0 / k_first + 1.0 / k_last)
+  drop = first - last
+  scale = max(abs(first), 1e-12)
+  rel_drop = drop / scale
+  noise_rel = noise / max(abs(last), 1e-12)
+  i_min = int(np.argmin(s))
+  evidence.update(
+      first_level=first, last_level=last, rel_drop=rel_drop, noise=noise, noise_rel=noise_rel,
+      trend_to_noise=drop / noise, smoothed_min=float(s[i_min]), smoothed_min_step=int(steps[i_min]),
+      window=window)
+
+  if last > first + max(DIVERGE_REL_RISE * scale, 3 * se):
+    return _make("diverging", f"the loss ended {-rel_drop:.0%} above where it started "
+                 f"({first:.4g} -> {last:.4g})", evidence)
+
+  # Near zero within the first epoch (the first half of the run when the epoch is unknown).
+  if steps_per_epoch:
+    early_end = steps[0] + steps_per_epoch - 1
+    evidence["steps_per_epoch"] = int(steps_per_epoch)
+  else:
+    early_end = steps[0] + 0.5 * (steps[-1] - steps[0])
+  below = np.flatnonzero(s < NEAR_ZERO)
+  if below.size and first > 2 * NEAR_ZERO:
+    evidence["near_zero_step"] = int(steps[below[0]])
+    if steps[below[0]] <= early_end:
+      when = "the first epoch" if steps_per_epoch else "the first half of the run"
+      return _make("near_zero_early", f"the loss fell to ~0 (< {NEAR_ZERO}) by step "
+                   f"{int(steps[below[0]])}, within {when}", evidence)
+
+  overfit = _validation_overfit(steps, s, val_steps, val_loss, evidence)
+  if overfit:
+    return _make("overfitting", overfit, evidence)
+  fall = first - float(s[i_min])
+  rebound = last - float(s[i_min])
+  if (i_min < REBOUND_MIN_POSITION * n and fall >= max(REBOUND_MIN_DROP * scale, 3 * se)
+      and rebound >= max(REBOUND_FRACTION * fall, 3 * se)):
+    evidence["rebound_fraction"] = rebound / fall
+    return _make("overfitting", f"the training loss fell to {s[i_min]:.4g} at step "
+                 f"{int(steps[i_min])}, then rose back to {last:.4g} ({rebound / fall:.0%} of "
+                 "its fall)", evidence)
+
+  if drop < max(FLAT_REL_DROP * scale, 2 * se):
+    if noise_rel >= NOISY_REL:
+      return _make("oscillating", f"no trend ({rel_drop:+.1%} change) under step-to-step swings "
+                   f"of {noise_rel:.0%} of the level", evidence)
+    return _make("flat", f"the loss barely moved: {first:.4g} -> {last:.4g} ({rel_drop:.1%} "
+                 "lower)", evidence)
+  if drop / noise < TREND_TO_NOISE and noise_rel >= NOISY_REL:
+    return _make("oscillating", f"the swings ({noise_rel:.0%} of the level) are larger than the "
+                 f"trend ({rel_drop:.0%} lower overall)", evidence)
+
+  q3 = float(s[min(int(0.75 * n), n - 1)])
+  plateaued = (q3 - last) < PLATEAU_FRACTION * drop
+  evidence["plateaued"] = plateaued
+  summary = f"the loss fell {rel_drop:.0%} ({first:.4g} -> {last:.4g})"
+  if plateaued:
+    return _make("healthy", summary + " and leveled off", evidence)
+  return _make("healthy", summary + " and was still falling at the end", evidence,
+               fix="nothing to fix; it was still improving: more steps may help")
+
+
+def _validation_overfit(steps: np.ndarray, s: np.ndarray, val_steps, val_loss,
+                        evidence: dict[str, Any]) -> str | None:
+  """A summary when validation rose from its minimum while train did not rise, else None."""
+  if val_steps is None or val_loss is None:
+    return None
+  vs = np.asarray(val_steps, dtype=np.float64).reshape(-1)
+  vl = np.asarray(val_loss, dtype=np.float64).reshape(-1)
+  if vs.shape != vl.shape:
+    raise ValueError(f"diagnose: {vs.size} validation steps but {vl.size} validation losses")
+  keep = np.isfinite(vl)
+  order = np.argsort(vs[keep], kind="stable")
+  vs, vl = vs[keep][order], vl[keep][order]
+  if vl.size < 3:
+    return None
+  j = int(np.argmin(vl))
+  vmin, vlast = float(vl[j]), float(vl[-1])
+  rise = (vlast - vmin) / max(abs(vmin), 1e-12)
+  # Train level where validation was best vs at the end (smoothed, nearest logged step).
+  t_at = float(s[min(int(np.searchsorted(steps, vs[j])), s.size - 1)])
+  t_change = (float(s[-1]) - t_at) / max(abs(t_at), 1e-12)
+  evidence.update(val_points=int(vl.size), val_first=float(vl[0]), val_min=vmin,
+                  val_min_step=int(vs[j]), val_last=vlast, val_rise_rel=rise,
+                  train_change_since_val_min=t_change)
+  after = vl[j + 1:]
+  sustained = after.size >= 1 and bool(np.all(after[-2:] >= vmin * (1 + VAL_RISE_REL / 2)))
+  if j < vl.size - 1 and rise >= VAL_RISE_REL and sustained and t_change <= 0.02:
+    return (f"validation loss rose {rise:.0%} from its best ({vmin:.4g} at step {int(vs[j])}) "
+            f"to {vlast:.4g} while the training loss went {t_change:+.0%}")
+  return None
+
+
+class Metrics(NamedTuple):
+  train_steps: list[int]
+  train_loss: list[float]
+  val_steps: list[int]
+  val_loss: list[float]
+  steps_per_epoch: int | None
+
+
+@dataclasses.dataclass
+class MetricsLog:
+  """Everything the doctor and the plot read from a metrics.jsonl."""
+
+  path: pathlib.Path
+  train_steps: list[int]
+  train_loss: list[float]
+  val_steps: list[int]
+  val_loss: list[float]
+  steps_per_epoch: int | None
+  epoch_end_steps: list[int]
+
+  def as_metrics(self) -> Metrics:
+    return Metrics(self.train_steps, self.train_loss, self.val_steps, self.val_loss,
+                   self.steps_per_epoch)
+
+
+class MetricsError(ValueError):
+  """A malformed metrics.jsonl (the message names the file and the line)."""
+
+
+def metrics_path(run_dir_or_file: str | pathlib.Path) -> pathlib.Path:
+  path = pathlib.Path(run_dir_or_file)
+  return path / "metrics.jsonl" if path.is_dir() else path
+
+
+def _number(obj: dict, key: str, where: str, *, integer: bool = False):
+  value = obj[key]
+  if value is None and not integer:
+    return math.nan  # a skipped (non-finite) step may be logged as null
+  if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+    kind = "an integer" if integer else "a number"
+    raise MetricsError(f"{where}: field {key!r} must be {kind}, got {value!r}")
+  return int(value) if integer else float(value)
+
+
+def read_metrics(run_dir_or_file: str | pathlib.Path) -> MetricsLog:
+  """Parse RUN_DIR/metrics.jsonl (or the file itself). A later line for a step wins (resume)."""
+  path = metrics_path(run_dir_or_file)
+  if not path.is_file():
+    raise FileNotFoundError(f"no metrics file at {path}" + (
+        "" if path.parent.is_dir() else f" ({path.parent} does not exist)"))
+  train: dict[int, float] = {}
+  val: dict[int, float] = {}
+  epoch_ends: dict[int, int] = {}
+  steps_per_epoch = None
+  with open(path, encoding="utf-8") as f:
+    for lineno, line in enumerate(f, 1):
+      where = f"{path}:{lineno}"
+      if not line.strip():
+        continue
+      try:
+        obj = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise MetricsError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+      if not isinstance(obj, dict):
+        raise MetricsError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+      if "event" in obj:
+        if obj["event"] == "config" and obj.get("steps_per_epoch") is not None:
+          steps_per_epoch = _number(obj, "steps_per_epoch", where, integer=True)
+        continue
+      if not any(key in obj for key in ("loss", "val_loss", "epoch")):
+        continue  # some other record
+      if "step" not in obj:
+        raise MetricsError(f"{where}: a loss line needs a 'step' field")
+      step = _number(obj, "step", where, integer=True)
+      if "loss" in obj:
+        train[step] = _number(obj, "loss", where)
+      if "val_loss" in obj:
+        val[step] = _number(obj, "val_loss", where)
+      if "epoch" in obj:
+        epoch_ends[_number(obj, "epoch", where, integer=True)] = step
+  if not train:
+    raise MetricsError(f"{path}: no training loss lines (objects with 'step' and 'loss')")
+  train_steps = sorted(train)
+  ends = [epoch_ends[e] for e in sorted(epoch_ends)]
+  if steps_per_epoch is None and ends:
+    steps_per_epoch = ends[0] - train_steps[0] + 1  # the first epoch's steps
+  val_steps = sorted(val)
+  return MetricsLog(path, train_steps, [train[s] for s in train_steps], val_steps,
+                    [val[s] for s in val_steps], steps_per_epoch, ends)
+
+
+def load_metrics(run_dir: str | pathlib.Path) -> Metrics:
+  """(train_steps, train_loss, val_steps, val_loss, steps_per_epoch) of RUN_DIR/metrics.jsonl."""
+  return read_metrics(run_dir).as_metrics()
+
+
+def diagnose_run(run_dir: str | pathlib.Path) -> Diagnosis:
+  m = load_metrics(run_dir)
+  return diagnose(m.train_steps, m.train_loss, val_steps=m.val_steps or None,
+                  val_loss=m.val_loss or None, steps_per_epoch=m.steps_per_epoch)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(
+      prog="python -m jaxsft.doctor",
+      description="Classify a run's loss curve (RUN_DIR/metrics.jsonl) and print the likely "
+                  "cause and the fix.")
+  parser.add_argument("run_dir", help="a training output folder holding metrics.jsonl (or the file)")
+  parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+  args = parser.parse_args(argv)
+  try:
+    diagnosis = diagnose_run(args.run_dir)
+  except (OSError, MetricsError) as e:
+    print(f"jaxsft.doctor: error: {e}", file=sys.stderr)
+    return 2
+  print(json.dumps(dataclasses.asdict(diagnosis), indent=2) if args.json else diagnosis.report())
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,239 @@
+"""The loss-curve doctor: every pattern on synthetic curves (several noise seeds), the metrics
+reader and the CLI."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxsft import doctor
+
+SEEDS = range(8)
+
+
+def _noisy(rng, base, rel):
+  """Batch-to-batch noise: `rel` of the level, Gaussian."""
+  return base * (1 + rel * rng.standard_normal(base.shape))
+
+
+# Each maker returns (steps, loss, extra diagnose kwargs).
+def healthy(rng):
+  t = np.arange(1, 81)
+  return t, _noisy(rng, 0.7 + 1.8 * np.exp(-t / 13), 0.08), {}
+
+
+def healthy_fast_drop_long_plateau(rng):
+  t = np.arange(1, 201)
+  return t, _noisy(rng, 0.9 + 2.5 * np.exp(-t / 4), 0.12), {}
+
+
+def healthy_with_validation(rng):
+  t = np.arange(1, 121)
+  vs = np.arange(10, 121, 10)
+  vl = 1.0 + 1.2 * np.exp(-vs / 25) + 0.01 * rng.standard_normal(vs.size)
+  return t, _noisy(rng, 0.8 + 1.5 * np.exp(-t / 25), 0.1), {"val_steps": vs, "val_loss": vl}
+
+
+def near_zero_in_first_epoch(rng):
+  t = np.arange(1, 121)
+  return t, np.abs(_noisy(rng, 0.005 + 2.0 * np.exp(-t / 6), 0.15)), {"steps_per_epoch": 60}
+
+
+def oscillating_noise(rng):
+  t = np.arange(1, 81)
+  return t, np.abs(1.5 * (1 + 0.5 * rng.standard_normal(t.size))), {}
+
+
+def oscillating_swings(rng):
+  t = np.arange(1, 101)
+  return t, 1.6 + 0.5 * np.sin(2 * np.pi * t / 9 + rng.uniform(0, 6)) + 0.15 * rng.standard_normal(t.size), {}
+
+
+def overfitting_validation_rises(rng):
+  t = np.arange(1, 151)
+  vs = np.arange(10, 151, 10)
+  vl = 1.0 + 1.2 * np.exp(-vs / 25) + 0.006 * np.maximum(vs - 60, 0) + 0.01 * rng.standard_normal(vs.size)
+  return t, _noisy(rng, 0.3 + 1.7 * np.exp(-t / 30), 0.08), {"val_steps": vs, "val_loss": vl}
+
+
+def overfitting_train_falls_then_rises(rng):
+  t = np.arange(1, 101)
+  return t, _noisy(rng, 1.0 + 1.5 * np.exp(-t / 10) + 0.012 * np.maximum(t - 40, 0), 0.06), {}
+
+
+def flat_noisy(rng):
+  t = np.arange(1, 81)
+  return t, _noisy(rng, 2.4 - 0.001 * t, 0.12), {}
+
+
+def flat_quiet(rng):
+  t = np.arange(1, 81)
+  return t, _noisy(rng, np.full(t.size, 1.9), 0.02), {}
+
+
+def diverging_rise(rng):
+  t = np.arange(1, 61)
+  return t, _noisy(rng, 2.0 + 0.08 * t, 0.1), {}
+
+
+def diverging_nan(rng):
+  t, loss, _ = healthy(rng)
+  loss[-5:] = np.nan
+  return t, loss, {}
+
+
+CASES = {
+    "healthy": [healthy, healthy_fast_drop_long_plateau, healthy_with_validation],
+    "near_zero_early": [near_zero_in_first_epoch],
+    "oscillating": [oscillating_noise, oscillating_swings],
+    "overfitting": [overfitting_validation_rises, overfitting_train_falls_then_rises],
+    "flat": [flat_noisy, flat_quiet],
+    "diverging": [diverging_rise, diverging_nan],
+}
+
+
+@pytest.mark.parametrize("expected,maker", [(p, m) for p, makers in CASES.items() for m in makers],
+                         ids=lambda x: x if isinstance(x, str) else x.__name__)
+def test_synthetic_curves_are_classified(expected, maker):
+  for seed in SEEDS:
+    steps, loss, kwargs = maker(np.random.default_rng(seed))
+    d = doctor.diagnose(steps, loss, **kwargs)
+    assert d.pattern == expected, (seed, d.summary, d.evidence)
+    assert d.likely_cause and d.fix and d.summary
+    assert d.pattern in doctor.PATTERNS
+
+
+def test_advice_matches_the_table():
+  rng = np.random.default_rng(0)
+  assert "5-10x" in doctor.diagnose(*near_zero_in_first_epoch(rng)[:2], steps_per_epoch=60).fix
+  d = doctor.diagnose(*oscillating_noise(rng)[:2])
+  assert "gradient accumulation" in d.fix and "learning rate" in d.likely_cause
+  d = doctor.diagnose(*overfitting_train_falls_then_rises(rng)[:2])
+  assert "early stopping" in d.fix and "dropout" in d.fix
+  d = doctor.diagnose(*flat_quiet(rng)[:2])
+  assert "trainable parameters" in d.fix and "too low" in d.likely_cause
+
+
+def test_near_zero_after_the_first_epoch_is_not_early():
+  t = np.arange(1, 301)
+  loss = 0.02 + 2.0 * np.exp(-t / 60)  # reaches ~0 only in epoch 3 of 100 steps
+  assert doctor.diagnose(t, loss, steps_per_epoch=100).pattern != "near_zero_early"
+  assert doctor.diagnose(t, loss, steps_per_epoch=300).pattern == "near_zero_early"
+
+
+def test_validation_rising_with_train_rising_too_is_not_overfitting():
+  t = np.arange(1, 101)
+  loss = 1.0 + 1.5 * np.exp(-t / 10) + 0.004 * np.maximum(t - 40, 0)  # train rises 10% late
+  vs = np.arange(10, 101, 10)
+  vl = 1.2 + 0.01 * np.abs(vs - 40)  # best at step 40, where train is lowest
+  d = doctor.diagnose(t, loss, val_steps=vs, val_loss=vl)
+  assert d.evidence["val_rise_rel"] > 0.3 and d.evidence["train_change_since_val_min"] > 0.02
+  assert "validation loss rose" not in d.summary
+
+
+def test_too_short_and_bad_shapes():
+  assert doctor.diagnose([1, 2, 3], [2.0, 1.5, 1.2]).pattern == "too_short"
+  with pytest.raises(ValueError, match="3 train steps but 2"):
+    doctor.diagnose([1, 2, 3], [1.0, 2.0])
+
+
+def test_evidence_is_json_serializable():
+  steps, loss, kwargs = healthy_with_validation(np.random.default_rng(1))
+  d = doctor.diagnose(steps, loss, **kwargs)
+  json.dumps(d.evidence)
+  for key in ("first_level", "last_level", "rel_drop", "noise", "trend_to_noise", "val_min"):
+    assert key in d.evidence
+  assert d.pattern in d.report() and d.fix in d.report()
+
+
+def _write_run(run_dir, steps, loss, *, val=None, steps_per_epoch=None, extra_lines=()):
+  run_dir.mkdir(parents=True, exist_ok=True)
+  lines = []
+  if steps_per_epoch:
+    lines.append({"event": "config", "steps_per_epoch": steps_per_epoch, "lr": 2e-4})
+  val = dict(val or {})
+  for s, l in zip(steps, loss):
+    line = {"step": int(s), "loss": float(l), "lr": 1e-4, "grad_norm": 0.5}
+    if int(s) in val:
+      line["val_loss"] = val.pop(int(s))
+    lines.append(line)
+    if steps_per_epoch and int(s) % steps_per_epoch == 0:
+      lines.append({"step": int(s), "epoch": int(s) // steps_per_epoch, "epoch_loss": 1.0})
+  lines += [{"step": int(s), "val_loss": v} for s, v in val.items()]
+  lines += list(extra_lines)
+  (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+  return run_dir
+
+
+def test_load_metrics(tmp_path):
+  steps, loss, _ = healthy(np.random.default_rng(0))
+  run = _write_run(tmp_path / "run", steps, loss, val={10: 2.0, 20: 1.5, 85: 1.2},
+                   extra_lines=[{"event": "summary", "seconds": 3.0}, {"step": 3, "tokens": 10}])
+  m = doctor.load_metrics(run)
+  assert m.train_steps == list(range(1, 81)) and np.allclose(m.train_loss, loss)
+  assert m.val_steps == [10, 20, 85] and m.val_loss == [2.0, 1.5, 1.2]
+  assert m.steps_per_epoch is None
+  train_steps, train_loss, val_steps, val_loss, spe = m  # the documented 5-tuple
+  assert doctor.load_metrics(run / "metrics.jsonl") == m
+
+  # epoch length from the config line, or else from the first epoch-end line
+  run2 = _write_run(tmp_path / "run2", steps, loss, steps_per_epoch=20)
+  assert doctor.load_metrics(run2).steps_per_epoch == 20
+  assert doctor.read_metrics(run2).epoch_end_steps == [20, 40, 60, 80]
+  text = (run2 / "metrics.jsonl").read_text().splitlines()
+  (run2 / "metrics.jsonl").write_text("\n".join(text[1:]) + "\n")
+  assert doctor.load_metrics(run2).steps_per_epoch == 20
+
+
+def test_resumed_run_later_lines_win(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text("".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in (1, 2, 3))
+                  + "".join(json.dumps({"step": s, "loss": float(s)}) + "\n" for s in (2, 3, 4)))
+  m = doctor.load_metrics(path)
+  assert m.train_steps == [1, 2, 3, 4] and m.train_loss == [9.0, 2.0, 3.0, 4.0]
+
+
+@pytest.mark.parametrize("line,message", [
+    ("{not json", "not valid JSON"),
+    ('{"step": 4, "loss": "high"}', "field 'loss' must be a number"),
+    ('{"step": "4", "loss": 1.0}', "field 'step' must be an integer"),
+    ('{"loss": 1.0}', "needs a 'step' field"),
+    ("[1, 2]", "expected a JSON object"),
+])
+def test_bad_metrics_line_names_file_and_line(tmp_path, line, message):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n' + line + "\n")
+  with pytest.raises(doctor.MetricsError, match=message) as info:
+    doctor.load_metrics(tmp_path)
+  assert f"{path}:3" in str(info.value)
+
+
+def _cli(*args):
+  return subprocess.run([sys.executable, "-m", "jaxsft.doctor", *map(str, args)],
+                        capture_output=True, text=True, timeout=120)
+
+
+def test_cli_prints_the_diagnosis(tmp_path):
+  steps, loss, kwargs = overfitting_validation_rises(np.random.default_rng(0))
+  run = _write_run(tmp_path / "run", steps, loss, val=dict(zip(kwargs["val_steps"].tolist(),
+                                                               kwargs["val_loss"].tolist())))
+  result = _cli(run)
+  assert result.returncode == 0, result.stderr
+  out = result.stdout
+  assert "loss curve: overfitting" in out and "val_rise_rel" in out
+  assert "likely cause:" in out and "early stopping" in out
+  as_json = json.loads(_cli(run, "--json").stdout)
+  assert as_json["pattern"] == "overfitting" and as_json["evidence"]["val_points"] == 15
+
+
+def test_cli_missing_or_empty_metrics_exit_2(tmp_path):
+  result = _cli(tmp_path / "nope")
+  assert result.returncode == 2 and "no metrics file" in result.stderr and "nope" in result.stderr
+  (tmp_path / "metrics.jsonl").write_text('{"event": "config", "steps_per_epoch": 5}\n')
+  result = _cli(tmp_path)
+  assert result.returncode == 2 and "no training loss lines" in result.stderr
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": \n')
+  result = _cli(tmp_path)
+  assert result.returncode == 2 and "metrics.jsonl:2" in result.stderr
