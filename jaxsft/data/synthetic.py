@@ -17,9 +17,11 @@ Tasks (drawn uniformly):
   last_word      "What is the last word in this list? ..."  -> Answer: river
 
 The list/passage tasks (`count_words`, `largest`, `last_word`) are long with probability
-`_LONG_PROB`, their item count drawn log-uniformly, which gives the length distribution a tail:
-with the SmolLM2 chat template (default system prompt included) most records are 45-110 tokens
-and about 10% are 150-700 tokens. That is what makes length bucketing matter.
+`_LONG_PROB`, sized by a log-uniform token budget of 100-700, which gives the length
+distribution a tail. Measured with the SmolLM2 chat template (default system prompt included)
+on 2000 records: median 51 tokens, 91% within 40-120, 8% over 150, 1.2% over 600, max ~830,
+mean 80 (the tail holds ~40% of all tokens). That is what makes length bucketing matter.
+Replies are at most 12 tokens.
 
 `score(record, text)` is an exact match: the reply (trailing whitespace and end-of-turn markers
 removed) must end with a last line `Answer: <x>` where `<x>` equals the record's answer after
@@ -39,7 +41,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 TASKS = ("add", "count_words", "count_letter", "reverse", "uppercase", "largest", "last_word")
-_LONG_PROB = 0.3  # of a list/passage task being long (-> ~13% of all records)
+_LONG_PROB = 0.2  # of a list/passage task being long (-> ~9% of all records)
 _SHORT_ITEMS = (3, 9)  # item count range of a short list/passage
 _LONG_TOKENS = (100, 700)  # log-uniform token budget of a long list/passage
 # Tokens per item with the SmolLM2 tokenizer (measured): a passage word, "word, ", "123, ".
