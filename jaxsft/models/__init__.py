@@ -1,0 +1,12 @@
+"""Models: Llama-family causal LMs in Flax NNX and their loading (no torch)."""
+
+from jaxsft.models.hub import ModelSource, load_tokenizer, resolve_model
+from jaxsft.models.llama import (CausalLM, Llama, LlamaConfig, from_hf_config, from_hf_state_dict,
+                                 init_random, to_hf_config, to_hf_state_dict)
+from jaxsft.models.loading import load_causal_lm, load_model, read_gguf
+
+__all__ = [
+    "CausalLM", "Llama", "LlamaConfig", "ModelSource", "from_hf_config", "from_hf_state_dict",
+    "init_random", "load_causal_lm", "load_model", "load_tokenizer", "read_gguf", "resolve_model",
+    "to_hf_config", "to_hf_state_dict",
+]

