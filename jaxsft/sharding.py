@@ -89,7 +89,9 @@ def make_mesh_context(mesh_cfg) -> MeshContext:
   if data * fsdp != n:
     raise MeshError(f"mesh: data={data} × fsdp={fsdp} = {data * fsdp} devices, but {n} are available "
                     f"({jax.devices()[0].platform}); use data=-1 to take all of them")
-  return MeshContext(jax.make_mesh((data, fsdp), ("data", "fsdp")))
+  # Auto axes: XLA propagates shardings from the inputs (no sharding-in-types annotations needed).
+  auto = (jax.sharding.AxisType.Auto,) * 2
+  return MeshContext(jax.make_mesh((data, fsdp), ("data", "fsdp"), axis_types=auto))
 
 
 def check_batch_sizes(cfg, ctx: MeshContext):
