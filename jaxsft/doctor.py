@@ -19,12 +19,12 @@ returns one of the patterns of the fine-tuning checklist, with the likely cause 
 
 Statistics (all robust to the odd spike; n = number of finite train losses):
 
-  k = clip(n // 10, 3, 50)                  points averaged at each end of the run
+  k1, k2 = clip(n // 20, 3, 25), clip(n // 10, 3, 50)   points summarized at the start, the end
   s = rolling median of the loss, centered window w = clip(n // 10, 5, 51) (odd)
-  first, last = median(loss[:k]), median(loss[-k:])
+  first, last = median(loss[:k1]), median(loss[-k2:])
   noise = 1.4826 * MAD(loss - median of its w - 1 neighbours) / sqrt(1 + pi / (2 (w - 1)))
                                             per-step noise (the std of Gaussian noise)
-  se = 1.2533 * noise * sqrt(2 / k)         std error of (first - last): medians of k points
+  se = 1.2533 * noise * sqrt(1/k1 + 1/k2)   std error of (first - last), medians of k1, k2 points
   drop = first - last,  rel_drop = drop / first,  noise_rel = noise / last
   trend_to_noise = drop / noise
 
@@ -41,7 +41,7 @@ Rules, first match wins:
                       or train alone: s falls to a minimum before 85% of the run by
                       >= max(REBOUND_MIN_DROP * first, 3 se) (10%), then `last` climbs back
                       >= max(REBOUND_FRACTION * that fall, 3 se) (25%)
-  6. no trend         drop < max(FLAT_REL_DROP * first, 2 se) (10%):
+  6. no trend         drop < max(FLAT_REL_DROP * first, 2.5 se) (10%):
                       oscillating if noise_rel >= NOISY_REL (0.25), else flat
   7. oscillating      drop / noise < TREND_TO_NOISE (2) and noise_rel >= NOISY_REL: the swings
                       are larger than the trend
@@ -49,7 +49,7 @@ Rules, first match wins:
                       PLATEAU_FRACTION (20%) of the total drop
 
 Batch-to-batch noise of a well-behaved SFT run is typically 5-20% of the loss, which is why the
-oscillation threshold is 25% of the level and a trend must stand 2 standard errors above it.
+oscillation threshold is 25% of the level and a trend must stand 2.5 standard errors out.
 """
 
 from __future__ import annotations
@@ -234,7 +234,7 @@ def diagnose(train_steps: Sequence[float], train_loss: Sequence[float], *,
                  f"{int(steps[i_min])}, then rose back to {last:.4g} ({rebound / fall:.0%} of "
                  "its fall)", evidence)
 
-  if drop < max(FLAT_REL_DROP * scale, 2 * se):
+  if drop < max(FLAT_REL_DROP * scale, 2.5 * se):
     if noise_rel >= NOISY_REL:
       return _make("oscillating", f"no trend ({rel_drop:+.1%} change) under step-to-step swings "
                    f"of {noise_rel:.0%} of the level", evidence)
