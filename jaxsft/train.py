@@ -372,7 +372,6 @@ def train(cfg: config_lib.TrainConfig) -> RunResult:
   t_start = time.time()
   counter = compile_counter()
   files = RunFiles(cfg.output_dir)
-  files.dir.mkdir(parents=True, exist_ok=True)
   if not cfg.resume and (files.checkpoints.exists() or files.metrics.exists()):
     raise config_lib.ConfigError(
         f"{files.dir} already holds a run (metrics.jsonl or checkpoints/). Pass --resume to continue it, "
@@ -421,6 +420,7 @@ def train(cfg: config_lib.TrainConfig) -> RunResult:
     total_steps = min(total_steps, cfg.max_steps) if cfg.max_steps > 0 else total_steps
   log.info("batch shapes %s; %d batches per epoch, %d optimizer steps", shapes, batches_per_epoch, total_steps)
 
+  files.dir.mkdir(parents=True, exist_ok=True)  # only now: bad config, data or model wrote nothing
   schedule = make_schedule(cfg.optim, total_steps)
   tx = make_optimizer(cfg.optim, schedule)
   lora = mesh_ctx.replicate(lora)

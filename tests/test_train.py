@@ -1,0 +1,233 @@
+"""The trainer end to end on a tiny random Llama (real tokenizer, real pipeline), in subprocesses.
+
+The CLI runs with torch hidden from the import system: the runtime must not need it.
+"""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Runs `jaxsft.train.main(argv)` in a fresh interpreter where torch cannot be found or imported.
+_HIDE_TORCH = textwrap.dedent("""
+    import importlib.util, sys
+    _find = importlib.util.find_spec
+    def _find_spec(name, package=None):
+      return None if name == "torch" or name.startswith("torch.") else _find(name, package)
+    importlib.util.find_spec = _find_spec
+    class _NoTorch:
+      def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+          raise ModuleNotFoundError("torch is hidden in this test")
+    sys.meta_path.insert(0, _NoTorch())
+    from jaxsft.train import main
+    code = main(sys.argv[1:])
+    assert "torch" not in sys.modules, "the runtime imported torch"
+    sys.exit(code)
+""")
+
+
+def run_cli(args, *, wait=True, **kw):
+  env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+  cmd = [sys.executable, "-c", _HIDE_TORCH, *map(str, args)]
+  if not wait:
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, **kw)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, tokenizer):
+  from tiny_model import make_tiny_model_dir
+
+  return make_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model", tokenizer)
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory):
+  from jaxsft.data import synthetic
+
+  return synthetic.write_jsonl(synthetic.make_dataset(160, seed=1), tmp_path_factory.mktemp("data") / "tasks.jsonl")
+
+
+def base_args(tiny_dir, small_data, out, *extra):
+  return ["--model", tiny_dir, "--data", small_data, "--output-dir", out, "--lr", "2e-3", "data.num_buckets=2",
+          "data.batch_size=8", "--no-progress", *extra]
+
+
+def read_metrics(run):
+  lines = [json.loads(l) for l in (pathlib.Path(run) / "metrics.jsonl").read_text().splitlines()]
+  return [l for l in lines if "loss" in l], [l for l in lines if "val_loss" in l], lines
+
+
+def test_cli_end_to_end_on_a_tiny_model(tiny_dir, small_data, tmp_path):
+  out = tmp_path / "run"
+  r = run_cli(base_args(tiny_dir, small_data, out, "max_steps=8", "eval.eval_every=4", "save_every=4",
+                        "eval.num_prompts=4", "eval.max_new_tokens=4"))
+  assert r.returncode == 0, r.stdout + r.stderr
+  train, val, lines = read_metrics(out)
+  assert [l["step"] for l in train] == list(range(1, 9))
+  assert [l["step"] for l in val] == [4, 8]
+  config = lines[0]
+  assert config["event"] == "config" and config["warmup_compiles"] >= len(config["batch_shapes"])
+  for l in train:
+    assert l["compiles"] == 0  # every shape compiled at warm-up
+    assert np.isfinite(l["loss"]) and l["valid_tokens"] > 0 and 0 <= l["padding_fraction"] < 1
+    for key in ("lr", "grad_norm", "tokens", "tokens_per_s", "data_wait_s", "seconds"):
+      assert key in l
+  # The bucket widths are the config's shapes and nothing else.
+  assert {tuple(s) for s in config["batch_shapes"]} >= {(8, w) for w in config["bucket_lengths"]}
+  for name in ("adapter/adapter_config.json", "adapter/adapter_model.safetensors", "loss_curve.png",
+               "summary.json", "doctor.txt", "evaluation.json", "config.json", "heldout.json"):
+    assert (out / name).is_file(), name
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["steps"] == 8 and summary["recompiles"] == 0
+  assert "task_score_base" in summary and "task_score_tuned" in summary
+  adapter_config = json.loads((out / "adapter/adapter_config.json").read_text())
+  assert adapter_config["peft_type"] == "LORA" and adapter_config["r"] == 8
+  assert "loss curve:" in r.stderr and "task score" in r.stderr
+  # A second run into the same folder without --resume is refused, and nothing is touched.
+  before = (out / "metrics.jsonl").read_text()
+  again = run_cli(base_args(tiny_dir, small_data, out, "max_steps=8"))
+  assert again.returncode == 2 and "--resume" in again.stderr
+  assert (out / "metrics.jsonl").read_text() == before
+
+
+DETERMINISTIC = ("loss", "grad_norm", "lr", "tokens", "real_tokens", "valid_tokens", "epoch")
+
+
+def test_killed_run_resumes_to_the_same_metrics(tiny_dir, small_data, tmp_path):
+  steps = ["max_steps=12", "save_every=3", "eval.eval_every=4", "eval.generate=false"]
+  ref = tmp_path / "uninterrupted"
+  r = run_cli(base_args(tiny_dir, small_data, ref, *steps))
+  assert r.returncode == 0, r.stderr
+  killed = tmp_path / "killed"
+  proc = run_cli(base_args(tiny_dir, small_data, killed, *steps), wait=False)
+  deadline = time.time() + 300
+  metrics = killed / "metrics.jsonl"
+  while time.time() < deadline:  # kill once step 7 is logged: checkpoints exist at 3 and 6
+    if metrics.exists() and any(json.loads(l).get("step", 0) >= 7 for l in metrics.read_text().splitlines()):
+      break
+    assert proc.poll() is None, proc.stdout.read()
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert not (killed / "summary.json").exists()
+  resumed = run_cli(base_args(tiny_dir, small_data, killed, *steps, "--resume"))
+  assert resumed.returncode == 0, resumed.stderr
+  assert "resumed from step" in resumed.stderr
+  (ref_train, ref_val, _), (res_train, res_val, _) = read_metrics(ref), read_metrics(killed)
+  assert [l["step"] for l in res_train] == list(range(1, 13))
+  for a, b in zip(ref_train, res_train):
+    for key in DETERMINISTIC:
+      assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
+  assert [(l["step"], round(l["val_loss"], 6)) for l in ref_val] == [(l["step"], round(l["val_loss"], 6)) for l in res_val]
+
+
+def test_bad_config_and_bad_data_write_nothing(tiny_dir, small_data, tmp_path):
+  out = tmp_path / "never"
+  r = run_cli(base_args(tiny_dir, small_data, out, "optim.learning_rate=1"))
+  assert r.returncode == 2 and "unknown key 'optim.learning_rate'" in r.stderr and "optim.lr" in r.stderr
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c", "output": 7}\n')
+  r = run_cli(base_args(tiny_dir, bad, out))
+  assert r.returncode == 2
+  assert "bad.jsonl" in r.stderr and "line 2" in r.stderr and "output" in r.stderr
+  r = run_cli(base_args(tiny_dir, small_data, out, "mesh.data=3"))
+  assert r.returncode == 2 and "mesh" in r.stderr
+  assert not out.exists()
+
+
+def test_non_finite_steps_stop_the_run_and_keep_what_was_saved(tiny_dir, small_data, tmp_path, tokenizer):
+  from tiny_model import make_tiny_model_dir
+
+  out = tmp_path / "nan"
+  common = ["save_every=3", "eval.eval_every=0", "eval.generate=false"]
+  r = run_cli(base_args(tiny_dir, small_data, out, "max_steps=3", *common))
+  assert r.returncode == 0, r.stderr
+  adapter = (out / "adapter" / "adapter_model.safetensors").read_bytes()
+  # Same run continued on corrupt weights (NaN in one projection): every loss is NaN from now on.
+  nan_dir = make_tiny_model_dir(tmp_path / "nan_model", tokenizer, nan_weights=True)
+  r = run_cli(base_args(nan_dir, small_data, out, "max_steps=20", "--resume", *common))
+  assert r.returncode == 2, r.stderr
+  assert "3 consecutive steps with a non-finite loss or gradient" in r.stderr
+  train, _, _ = read_metrics(out)
+  assert [l["step"] for l in train if l.get("skipped")] == [4, 5, 6]
+  # The last good checkpoint and adapter are what step 3 saved.
+  assert (out / "adapter" / "adapter_model.safetensors").read_bytes() == adapter
+  assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["3"]
+
+
+def test_accumulated_micro_batches_equal_one_batch_whatever_the_padding(tokenizer):
+  """Two micro-batches padded to different buckets == one batch (Σ nll / Σ valid, same grads)."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from jaxsft import config as config_lib
+  from jaxsft import data, lora, models, train
+  from jaxsft.data import synthetic
+  from tiny_model import TINY
+
+  jax.config.update("jax_default_matmul_precision", "highest")
+  cfg = config_lib.TrainConfig()
+  model = models.init_random(TINY, seed=0)
+  lora.apply_lora(model, r=4, alpha=8, seed=1)
+  graphdef, params, frozen = nnx.split(model, nnx.LoRAParam, ...)
+  # Non-zero B so the gradient reaches A too.
+  params = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(2), x.shape), params)
+  schedule = train.make_schedule(cfg.optim, 10)
+  accumulate, apply, evaluate, zeros = train.make_step_fns(graphdef, cfg, train.make_optimizer(cfg.optim, schedule),
+                                                           schedule)
+  examples = [data.tokenize_example(tokenizer, r, max_length=1024) for r in synthetic.make_dataset(40, seed=5)]
+  examples = [e for e in examples if len(e["input_ids"]) <= 120][:8]
+  one = data.collate(examples, pad_token_id=2, bucket_lengths=[256])
+  first = data.collate(examples[:3], pad_token_id=0, pad_to_multiple_of=8, batch_size=4)  # another pad id, a fill row
+  second = data.collate(examples[3:], pad_token_id=2, bucket_lengths=[128, 256])
+  acc_one = accumulate(zeros(params), params, frozen, one, 0)
+  acc_two = accumulate(accumulate(zeros(params), params, frozen, first, 0), params, frozen, second, 1)
+  assert int(acc_one["n_valid"]) == int(acc_two["n_valid"]) == sum(int((e["labels"] != -100).sum()) for e in examples)
+  np.testing.assert_allclose(acc_one["nll"], acc_two["nll"], rtol=1e-6)
+  for g1, g2 in zip(jax.tree.leaves(acc_one["grads"]), jax.tree.leaves(acc_two["grads"])):
+    np.testing.assert_allclose(g1, g2, rtol=1e-5, atol=1e-6)
+  # The step's loss is the global Σ nll / Σ valid, not the mean of the two micro-batch means.
+  _, _, out = apply(params, jax.jit(train.make_optimizer(cfg.optim, schedule).init)(params), acc_two, 0)
+  nll1, n1 = evaluate(params, frozen, first)
+  nll2, n2 = evaluate(params, frozen, second)
+  assert float(out["loss"]) == pytest.approx(float(nll1 + nll2) / float(n1 + n2), rel=1e-6)
+  assert float(out["loss"]) != pytest.approx(float(nll1 / n1 + nll2 / n2) / 2, rel=1e-4)
+
+
+def test_a_shape_outside_the_warm_up_set_is_counted_as_a_recompile():
+  import jax
+  from flax import nnx
+
+  from jaxsft import config as config_lib
+  from jaxsft import lora, models, sharding, train
+  from tiny_model import TINY
+
+  cfg = config_lib.TrainConfig()
+  model = models.init_random(TINY, seed=0)
+  lora.apply_lora(model, r=2, alpha=4)
+  graphdef, params, frozen = nnx.split(model, nnx.LoRAParam, ...)
+  schedule = train.make_schedule(cfg.optim, 10)
+  tx = train.make_optimizer(cfg.optim, schedule)
+  ctx = sharding.make_mesh_context(cfg.mesh)
+  steps = train.CompiledSteps(train.make_step_fns(graphdef, cfg, tx, schedule), params, jax.jit(tx.init)(params),
+                              frozen, ctx)
+  keys = ("input_ids", "attention_mask", "labels")
+  steps.warm_up([(2, 16)], keys, with_eval=False)
+  batch = lambda t: ctx.put_batch({"input_ids": np.ones((2, t), np.int32), "attention_mask": np.ones((2, t), np.int32),
+                                   "labels": np.ones((2, t), np.int32)})
+  acc = steps.accumulate(steps.zeros(params), params, frozen, batch(16), np.int32(0))
+  assert steps.recompiles == 0 and not steps.unexpected_shapes
+  steps.accumulate(acc, params, frozen, batch(24), np.int32(1))
+  assert steps.recompiles >= 1 and steps.unexpected_shapes == [("accumulate", (2, 24))]
