@@ -41,9 +41,27 @@ def near_zero_in_first_epoch(rng):
   return t, np.abs(_noisy(rng, 0.005 + 2.0 * np.exp(-t / 6), 0.15)), {"steps_per_epoch": 60}
 
 
-def oscillating_noise(rng):
+def healthy_noisy_short_like_a_real_run(rng):
+  """Like the real default run: 40 steps, batch noise ~35% of the level, a slow fall."""
+  t = np.arange(1, 41)
+  vs = np.arange(10, 41, 10)
+  vl = 2.4 + 1.0 * np.exp(-vs / 25)
+  return t, _noisy(rng, 2.2 + 1.5 * np.exp(-t / 20), 0.35), {"val_steps": vs, "val_loss": vl}
+
+
+def oscillating_spikes_that_decay(rng):
+  """Too high an LR: every few steps an update knocks the loss up, and it recovers slowly."""
   t = np.arange(1, 81)
-  return t, np.abs(1.5 * (1 + 0.5 * rng.standard_normal(t.size))), {}
+  kick = np.where(rng.random(t.size) < 0.15, rng.uniform(1.0, 3.0, t.size), 0.0)
+  excess = np.zeros(t.size)
+  for i in range(t.size):
+    excess[i] = (0.7 * excess[i - 1] if i else 0.0) + kick[i]
+  return t, 1.5 + excess + 0.1 * rng.standard_normal(t.size), {}
+
+
+def oscillating_alternating(rng):
+  t = np.arange(1, 61)
+  return t, 1.5 + 0.4 * (-1.0) ** t + 0.15 * rng.standard_normal(t.size), {}
 
 
 def oscillating_swings(rng):
@@ -73,6 +91,12 @@ def flat_quiet(rng):
   return t, _noisy(rng, np.full(t.size, 1.9), 0.02), {}
 
 
+def flat_very_noisy(rng):
+  """Batch noise of 40% (few trained tokens per batch) and a model that does not change."""
+  t = np.arange(1, 61)
+  return t, _noisy(rng, np.full(t.size, 3.4), 0.4), {}
+
+
 def diverging_rise(rng):
   t = np.arange(1, 61)
   return t, _noisy(rng, 2.0 + 0.08 * t, 0.1), {}
@@ -85,11 +109,12 @@ def diverging_nan(rng):
 
 
 CASES = {
-    "healthy": [healthy, healthy_fast_drop_long_plateau, healthy_with_validation],
+    "healthy": [healthy, healthy_fast_drop_long_plateau, healthy_with_validation,
+                healthy_noisy_short_like_a_real_run],
     "near_zero_early": [near_zero_in_first_epoch],
-    "oscillating": [oscillating_noise, oscillating_swings],
+    "oscillating": [oscillating_spikes_that_decay, oscillating_alternating, oscillating_swings],
     "overfitting": [overfitting_validation_rises, overfitting_train_falls_then_rises],
-    "flat": [flat_noisy, flat_quiet],
+    "flat": [flat_noisy, flat_quiet, flat_very_noisy],
     "diverging": [diverging_rise, diverging_nan],
 }
 
@@ -108,7 +133,7 @@ def test_synthetic_curves_are_classified(expected, maker):
 def test_advice_matches_the_table():
   rng = np.random.default_rng(0)
   assert "5-10x" in doctor.diagnose(*near_zero_in_first_epoch(rng)[:2], steps_per_epoch=60).fix
-  d = doctor.diagnose(*oscillating_noise(rng)[:2])
+  d = doctor.diagnose(*oscillating_alternating(rng)[:2])
   assert "gradient accumulation" in d.fix and "learning rate" in d.likely_cause
   d = doctor.diagnose(*overfitting_train_falls_then_rises(rng)[:2])
   assert "early stopping" in d.fix and "dropout" in d.fix
