@@ -54,7 +54,8 @@ Rules, first match wins:
                       |rho| >= max(SWING_AUTOCORR (0.3), 2.5 / sqrt(n)) (persistent swings, or an
                       up-down alternation) or noise_rel >= WILD_NOISE_REL (75%): oscillating
   7. healthy          otherwise; "plateaued" when the last quarter of the run holds under
-                      PLATEAU_FRACTION (20%) of the total drop
+                      PLATEAU_FRACTION (20%) of the total drop and, with validation, its last
+                      interval fell less than half its average interval
 
 Calibration: a real LoRA run of SmolLM2-135M-Instruct on the default dataset (batch 8, replies
 of ~8 tokens, so ~60 trained tokens per batch) had batch-to-batch noise of ~40% of the level
@@ -294,6 +295,13 @@ def diagnose(train_steps: Sequence[float], train_loss: Sequence[float], *,
 
   q3 = float(s[min(int(0.75 * n), n - 1)])
   plateaued = (q3 - last) < PLATEAU_FRACTION * drop
+  if val_drop is not None and val_steps is not None:
+    # Validation is far less noisy: still falling if its last interval fell at least half
+    # as much as its average interval.
+    vl = np.asarray(val_loss, dtype=np.float64)[np.argsort(np.asarray(val_steps), kind="stable")]
+    vl = vl[np.isfinite(vl)]
+    mean_interval = (vl[0] - vl[-1]) / (vl.size - 1)
+    plateaued = plateaued and not (mean_interval > 0 and vl[-2] - vl[-1] >= 0.5 * mean_interval)
   evidence["plateaued"] = plateaued
   summary = f"the loss fell {rel_drop:.0%} ({first:.4g} -> {last:.4g})"
   if plateaued:

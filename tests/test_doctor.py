@@ -262,3 +262,16 @@ def test_cli_missing_or_empty_metrics_exit_2(tmp_path):
   (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": \n')
   result = _cli(tmp_path)
   assert result.returncode == 2 and "metrics.jsonl:2" in result.stderr
+
+
+def test_plateau_or_still_falling():
+  rng = np.random.default_rng(0)
+  steps, loss, kwargs = healthy_with_validation(rng)
+  d = doctor.diagnose(steps, loss, **kwargs)
+  assert d.evidence["plateaued"] and "leveled off" in d.summary
+  steps, loss, kwargs = healthy_noisy_short_like_a_real_run(rng)  # validation still falling
+  d = doctor.diagnose(steps, loss, **kwargs)
+  assert not d.evidence["plateaued"] and "more steps" in d.fix
+  t = np.arange(1, 61)
+  d = doctor.diagnose(t, 3.0 - 0.03 * t)  # a straight line down never plateaus
+  assert d.pattern == "healthy" and not d.evidence["plateaued"]
