@@ -4,10 +4,11 @@
       -> to_iter_dataset -> [mp_prefetch(worker_count)] -> BucketBatchIterDataset | FirstFit packing
 
 `MapDataset.repeat` reseeds the shuffle every epoch, so epoch e is a permutation drawn from
-(seed, e). Every element carries its epoch and whether it is the last of its epoch; examples
-dropped by truncation (no trained token left) travel on as markers, so the batcher, which runs
-in the main process even with workers, counts them (`PipelineStats`) and flushes each epoch's
-leftovers as padded fixed-shape batches: partial batches are padded, never dropped, and no batch
+(seed, e). Every element carries its epoch; examples dropped by truncation (no trained token
+left) travel on as markers, so the batcher, which runs in the main process even with workers,
+counts them (`PipelineStats`) and knows an epoch is complete once all N of its elements arrived
+(workers may interleave the end of one epoch with the start of the next). It then flushes that
+epoch's leftovers as padded fixed-shape batches: partial batches are padded, never dropped, and no batch
 mixes epochs (except in packed mode, where grain's packer may put the last examples of one epoch
 and the first of the next into one packed batch).
 
@@ -20,8 +21,12 @@ and keeps rows [i*B/P, (i+1)*B/P) of each global batch (P processes from grain's
 `ShardByJaxProcess`), so all processes step through identical shapes in lockstep. `batch_size`,
 `tokens_per_batch` and `batch_shapes` are global.
 
+With workers, each worker tokenizes its slice of the stream and sends chunks of 32 examples
+(grain's `batch` with `batch_fn=list` before `mp_prefetch`; the bucket batcher reads the chunks,
+packed mode unchunks them with `FlatMapIterDataset`).
+
 Checkpointing: the batcher's state is `{"anchor": parent state when its queues were last empty,
-"consumed": elements read since, "emitted": batches emitted since, "exhausted": bool}`;
+"anchor_seen": elements seen per unfinished epoch then, "consumed": elements read since, "emitted": batches emitted since, "exhausted": bool}`;
 `set_state` restores the parent to the anchor and replays `consumed` elements through the queues
 (no collation) to rebuild them exactly. Queues are empty at least at every epoch end, so a restore
 replays at most one epoch of (cached or re-tokenized) examples. The state is JSON-serializable.
@@ -150,7 +155,7 @@ class _TokenizeStep:
       except ValueError as e:
         raise ValueError(f"record {record_index}: {e}") from None
     out = dict(example) if example is not None else {}
-    out.update(epoch=index // n, last=index % n == n - 1, full_length=full_length)
+    out.update(epoch=index // n, full_length=full_length)
     return out
 
 
@@ -168,6 +173,7 @@ class BatchPlan:
   max_length: int
   pad_to_multiple_of: int
   pad_token_id: int
+  epoch_size: int = 0  # records per epoch: an epoch is complete once this many elements arrived
   shard_index: int = 0
   shard_count: int = 1
 
@@ -197,27 +203,31 @@ class BatchPlan:
 
 
 class _Queues:
-  """Per-bucket queues: `add` returns the batches that became full, `flush` the leftovers."""
+  """Per-(epoch, bucket) queues: `add` returns the batches that became full, `flush(epoch)` the
+  leftovers of an epoch. Items are `(epoch, queue, examples)`."""
 
   def __init__(self, plan: BatchPlan):
     self.plan = plan
-    self.queues: list[list[dict]] = [[] for _ in plan.batch_sizes]
+    self.queues: dict[int, list[list[dict]]] = {}
 
-  def add(self, example: dict) -> list[tuple[int, list[dict]]]:
-    q = self.plan.queue_of(len(example["input_ids"]))
-    self.queues[q].append(example)
-    if len(self.queues[q]) == self.plan.batch_sizes[q]:
-      full, self.queues[q] = self.queues[q], []
-      return [(q, full)]
+  def add(self, example: dict) -> list[tuple[int, int, list[dict]]]:
+    epoch, q = int(example["epoch"]), self.plan.queue_of(len(example["input_ids"]))
+    queues = self.queues.setdefault(epoch, [[] for _ in self.plan.batch_sizes])
+    queues[q].append(example)
+    if len(queues[q]) == self.plan.batch_sizes[q]:
+      full, queues[q] = queues[q], []
+      return [(epoch, q, full)]
     return []
 
-  def flush(self) -> list[tuple[int, list[dict]]]:
-    out = [(q, items) for q, items in enumerate(self.queues) if items]
-    self.queues = [[] for _ in self.queues]
-    return out
+  def flush(self, epoch: int) -> list[tuple[int, int, list[dict]]]:
+    queues = self.queues.pop(epoch, [])
+    return [(epoch, q, items) for q, items in enumerate(queues) if items]
+
+  def flush_all(self) -> list[tuple[int, int, list[dict]]]:
+    return [item for epoch in sorted(self.queues) for item in self.flush(epoch)]
 
   def empty(self) -> bool:
-    return not any(self.queues)
+    return not any(any(queues) for queues in self.queues.values())
 
 
 class BucketBatchDatasetIterator(grain.DatasetIterator):
@@ -226,12 +236,14 @@ class BucketBatchDatasetIterator(grain.DatasetIterator):
   def __init__(self, parent: grain.DatasetIterator, plan: BatchPlan, stats: PipelineStats | None):
     super().__init__(parent)
     self._plan, self._stats_out = plan, stats
-    self._restart(copy.deepcopy(self._parent.get_state()))
+    self._restart(copy.deepcopy(self._parent.get_state()), {})
 
-  def _restart(self, anchor) -> None:
+  def _restart(self, anchor, seen: dict[int, int]) -> None:
     self._queues = _Queues(self._plan)
     self._ready: collections.deque = collections.deque()
-    self._anchor, self._consumed, self._emitted, self._exhausted = anchor, 0, 0, False
+    self._seen = dict(seen)  # elements arrived per unfinished epoch
+    self._anchor, self._anchor_seen = anchor, dict(seen)
+    self._consumed, self._emitted, self._exhausted = 0, 0, False
 
   def _pull(self, *, replay: bool) -> None:
     """Reads one element into the queues; at the end of the parent, flushes them."""
@@ -239,20 +251,25 @@ class BucketBatchDatasetIterator(grain.DatasetIterator):
       element = next(self._parent)
     except StopIteration:
       self._exhausted = True
-      self._ready.extend((items[0]["epoch"], q, items) for q, items in self._queues.flush())
+      self._ready.extend(self._queues.flush_all())
       return
     self._consumed += 1
     stats = None if replay else self._stats_out
-    if stats is not None:
-      stats.examples += 1
-      stats.truncated += element["full_length"] > self._plan.max_length
-    if "input_ids" in element:
-      self._ready.extend((element["epoch"], q, items) for q, items in self._queues.add(element))
-    elif stats is not None:
-      stats.dropped += 1
-      stats.dropped_per_epoch[int(element["epoch"])] = stats.dropped_per_epoch.get(int(element["epoch"]), 0) + 1
-    if element["last"]:
-      self._ready.extend((element["epoch"], q, items) for q, items in self._queues.flush())
+    for element in element if isinstance(element, list) else [element]:  # workers send chunks
+      if stats is not None:
+        stats.examples += 1
+        stats.truncated += element["full_length"] > self._plan.max_length
+      epoch = int(element["epoch"])
+      if "input_ids" in element:
+        self._ready.extend(self._queues.add(element))
+      elif stats is not None:
+        stats.dropped += 1
+        stats.dropped_per_epoch[epoch] = stats.dropped_per_epoch.get(epoch, 0) + 1
+      # Workers may interleave the ends of two epochs: an epoch is done when all its elements arrived.
+      self._seen[epoch] = self._seen.get(epoch, 0) + 1
+      if self._seen[epoch] == self._plan.epoch_size:
+        del self._seen[epoch]
+        self._ready.extend(self._queues.flush(epoch))
 
   def __next__(self) -> dict:
     while not self._ready:
@@ -266,16 +283,16 @@ class BucketBatchDatasetIterator(grain.DatasetIterator):
       self._stats_out.count_batch(batch, len(items))
     batch["epoch"] = np.asarray(epoch, dtype=np.int32)
     if not self._ready and self._queues.empty() and not self._exhausted:
-      self._restart(copy.deepcopy(self._parent.get_state()))  # nothing buffered: a cheap anchor
+      self._restart(copy.deepcopy(self._parent.get_state()), self._seen)  # nothing buffered: a cheap anchor
     return self._plan.shard_rows(batch)
 
   def get_state(self) -> dict:
-    return {"anchor": copy.deepcopy(self._anchor), "consumed": self._consumed, "emitted": self._emitted,
-            "exhausted": self._exhausted}
+    return {"anchor": copy.deepcopy(self._anchor), "anchor_seen": [[e, n] for e, n in self._anchor_seen.items()],
+            "consumed": self._consumed, "emitted": self._emitted, "exhausted": self._exhausted}
 
   def set_state(self, state: dict) -> None:
     self._parent.set_state(copy.deepcopy(state["anchor"]))
-    self._restart(copy.deepcopy(state["anchor"]))
+    self._restart(copy.deepcopy(state["anchor"]), {int(e): int(n) for e, n in state["anchor_seen"]})
     for _ in range(state["consumed"]):
       self._pull(replay=True)
     if state["exhausted"]:
@@ -295,8 +312,9 @@ class BucketBatchDatasetIterator(grain.DatasetIterator):
 class BucketBatchIterDataset(grain.IterDataset):
   """Groups examples by length into per-bucket queues and emits fixed-shape padded batches.
 
-  A queue that reaches its batch size emits a batch; an element flagged `last` (end of an epoch)
-  or the parent's end flushes every queue as padded batches with fill rows.
+  Queues are per (epoch, bucket). A queue that reaches its batch size emits a batch; once all
+  `plan.epoch_size` elements of an epoch arrived (or the parent ends), that epoch's queues are
+  flushed as padded batches with fill rows.
   """
 
   def __init__(self, parent: grain.IterDataset, plan: BatchPlan, stats: PipelineStats | None = None):
@@ -359,6 +377,16 @@ class _PackedRowsToBatch:
 # Entry points.
 
 
+_IPC_CHUNK = 32
+
+
+class _Unchunk(grain.experimental.FlatMapTransform):
+  max_fan_out = _IPC_CHUNK
+
+  def flat_map(self, chunk):
+    return chunk
+
+
 def _batch_size_for(width: int, *, batch_size: int, tokens_per_batch: int | None, multiple: int) -> int:
   if tokens_per_batch is None:
     return batch_size
@@ -389,7 +417,8 @@ def _plan(records, tokenizer, *, lengths, max_length, batching, bucket_lengths, 
   size = lambda width: _batch_size_for(width, batch_size=batch_size, tokens_per_batch=tokens_per_batch,
                                        multiple=multiple)
   common = dict(max_length=max_length, pad_to_multiple_of=pad_to_multiple_of, pad_token_id=pad_token_id,
-                shard_index=shard_index, shard_count=shard_count)
+                epoch_size=len(records) if records is not None else 0, shard_index=shard_index,
+                shard_count=shard_count)
   if batching == "bucketed":
     if bucket_lengths is None:
       if lengths is None:
@@ -463,7 +492,13 @@ def make_batches(records: Sequence[dict], tokenizer, *, max_length: int, batchin
 
     if not flags.FLAGS.is_parsed():
       flags.FLAGS.mark_as_parsed()
+    # Workers send chunks of examples: per-element inter-process traffic costs more than tokenizing,
+    # and small arrays are cheaper pickled than in one shared-memory segment each.
+    it = it.batch(_IPC_CHUNK, batch_fn=list)
+    it = grain.experimental.WithOptionsIterDataset(it, grain.experimental.DatasetOptions(min_shm_size=1 << 20))
     it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count))
+    if batching == "packed":  # the bucket batcher reads chunks itself; the packer wants examples
+      it = grain.experimental.FlatMapIterDataset(it, _Unchunk())
   if batching == "packed":
     it = it.filter(_KeepTokenized(stats, max_length))
     it = grain.experimental.FirstFitPackIterDataset(

@@ -1,0 +1,68 @@
+"""Length statistics and a padding comparison of the four batching modes, from the real pipeline."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from jaxsft.data.pipeline import BATCHING, PipelineStats, batch_shapes, make_batches, tokenized
+
+
+def compare_batching(records: Sequence[dict], tokenizer, *, max_length: int = 1024, num_buckets: int = 8,
+                     batch_size: int = 8, pad_to_multiple_of: int = 8, seed: int = 0,
+                     train_on: str = "all_assistant") -> dict[str, dict]:
+  """Runs one epoch of `make_batches` per batching mode and reports what it emitted.
+
+  Returns, per mode: `padded` (B*T summed over batches, fill rows included), `real` (tokens with
+  attention_mask 1), `waste_frac = 1 - real / padded`, `shapes` (distinct (B, T) emitted),
+  `listed_shapes` (`batch_shapes`), `batches`, and for bucketed the chosen `buckets`.
+  """
+  out = {}
+  for mode in BATCHING:
+    stats = PipelineStats()
+    config = dict(max_length=max_length, batching=mode, num_buckets=num_buckets, batch_size=batch_size,
+                  pad_to_multiple_of=pad_to_multiple_of, train_on=train_on)
+    shapes = set()
+    for batch in make_batches(records, tokenizer, seed=seed, num_epochs=1, stats=stats, **config):
+      shapes.add(batch["input_ids"].shape)
+    listed = batch_shapes(records, tokenizer, **config)
+    out[mode] = {"padded": stats.padded_tokens, "real": stats.real_tokens, "waste_frac": stats.waste_frac,
+                 "shapes": len(shapes), "listed_shapes": len(listed), "batches": stats.batches,
+                 "fill_rows": stats.fill_rows, "dropped": stats.dropped, "truncated": stats.truncated}
+    if mode == "bucketed":
+      out[mode]["buckets"] = [t for _, t in listed]
+  return out
+
+
+def length_summary(records: Sequence[dict], tokenizer, *, max_length: int, train_on: str = "all_assistant") -> dict:
+  """Token lengths before truncation: count, percentiles, and how many truncation cuts or drops."""
+  examples, full = tokenized(records, tokenizer, max_length=max_length, train_on=train_on)
+  return {"count": len(full), "min": int(full.min()), "p50": float(np.percentile(full, 50)),
+          "p90": float(np.percentile(full, 90)), "p99": float(np.percentile(full, 99)), "max": int(full.max()),
+          "mean": float(full.mean()), "truncated": int((full > max_length).sum()),
+          "dropped": sum(e is None for e in examples), "lengths": full}
+
+
+def text_histogram(lengths: Sequence[int], *, max_length: int, bins: int = 16, width: int = 50) -> str:
+  """A text histogram of token lengths in `bins` equal bins up to max_length (longer ones last)."""
+  lengths = np.asarray(lengths)
+  edges = np.linspace(0, max_length, bins + 1).astype(int)
+  counts = [int(((lengths > lo) & (lengths <= hi)).sum()) for lo, hi in zip(edges[:-1], edges[1:])]
+  labels = [f"{lo + 1:>6}-{hi:<6}" for lo, hi in zip(edges[:-1], edges[1:])]
+  over = int((lengths > max_length).sum())
+  if over:
+    counts.append(over)
+    labels.append(f">{max_length:<12}")
+  top = max(counts) or 1
+  return "\n".join(f"{label} {'#' * round(width * c / top):<{width}} {c}" for label, c in zip(labels, counts))
+
+
+def format_comparison(result: dict[str, dict]) -> str:
+  lines = [f"{'mode':<9} {'padded tokens':>14} {'real tokens':>12} {'waste %':>8} {'shapes':>7} {'batches':>8}"]
+  for mode, r in result.items():
+    lines.append(f"{mode:<9} {r['padded']:>14,} {r['real']:>12,} {100 * r['waste_frac']:>8.1f} "
+                 f"{r['shapes']:>7} {r['batches']:>8}")
+  if "bucketed" in result:
+    lines.append(f"bucket boundaries: {result['bucketed']['buckets']}")
+  return "\n".join(lines)
