@@ -169,7 +169,12 @@ def tokenize_records(tokenizer, records: Sequence[dict], *, max_length: int, tra
   examples: list[Any] = []
   full_lengths = np.zeros(len(records), dtype=np.int64)
   for lo in range(0, len(records), batch_size):
-    rendered = [render_with_spans(tokenizer, r, train_on=train_on) for r in records[lo:lo + batch_size]]
+    rendered = []
+    for i, record in enumerate(records[lo:lo + batch_size], start=lo):
+      try:
+        rendered.append(render_with_spans(tokenizer, record, train_on=train_on))
+      except ValueError as e:
+        raise ValueError(f"record {i}: {e}") from None
     encodings = backend.encode_batch([text for text, _ in rendered], add_special_tokens=False)
     for j, ((_, spans), enc) in enumerate(zip(rendered, encodings)):
       example, full_lengths[lo + j] = _finish(enc.ids, enc.offsets, spans, max_length)
