@@ -29,12 +29,13 @@ def plot_loss_curve(run_dir_or_metrics, out_png: str | os.PathLike | None = None
   if isinstance(run_dir_or_metrics, doctor.MetricsLog):
     log = run_dir_or_metrics
   elif isinstance(run_dir_or_metrics, doctor.Metrics):
-    m = run_dir_or_metrics
-    spe = m.steps_per_epoch
-    ends = list(range(m.train_steps[0] + spe - 1, m.train_steps[-1] + 1, spe)) if spe and m.train_steps else []
-    log = doctor.MetricsLog(None, *m, ends)
+    log = doctor.MetricsLog(None, *run_dir_or_metrics, [])
   else:
     log = doctor.read_metrics(run_dir_or_metrics)
+  epoch_ends = log.epoch_end_steps
+  if not epoch_ends and log.steps_per_epoch and log.train_steps:  # only the epoch length known
+    spe, first = log.steps_per_epoch, log.train_steps[0]
+    epoch_ends = list(range(first + spe - 1, log.train_steps[-1] + 1, spe))
   if out_png is None:
     if log.path is None:
       raise ValueError("plot_loss_curve: out_png is required when passing loaded metrics")
@@ -65,7 +66,7 @@ def plot_loss_curve(run_dir_or_metrics, out_png: str | os.PathLike | None = None
   if log.val_steps:
     ax.plot(log.val_steps, log.val_loss, color="tab:orange", marker="o", markersize=4, linewidth=2,
             label="validation")
-  for i, step in enumerate(log.epoch_end_steps):
+  for i, step in enumerate(epoch_ends):
     ax.axvline(step, color="gray", linestyle="--", linewidth=1, label="epoch end" if i == 0 else None)
   ax.set_xlabel("step")
   ax.set_ylabel("loss (nats / token)")
