@@ -4,7 +4,15 @@ Batches are split over both axes (every device gets different rows); frozen base
 sharded over `fsdp` along their largest divisible dimension (replicated when fsdp == 1); LoRA
 params are tiny and replicated, and their optimizer state follows them. The train step's sums
 (Σ nll, Σ valid, Σ grad) then run over the global batch: XLA inserts the all-reduces, and the
-loss keeps its global normalization with no code of ours on the communication path.
+loss keeps its global normalization with no code of ours on the communication path:
+
+    loss = Σ_devices Σ_rows nll / Σ_devices Σ_rows valid      (never a mean of per-device means)
+
+Several processes (hosts): the launcher sets JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
+JAX_PROCESS_ID and every process runs the same command; `maybe_initialize_distributed` calls
+`jax.distributed.initialize` with them before any device is touched. The mesh then spans every
+process's devices, each process feeds the rows of the global batch that its own devices hold
+(`jax.make_array_from_process_local_data`), and process 0 alone writes the run's files.
 """
 
 from __future__ import annotations
@@ -18,10 +26,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 BATCH_AXES = ("data", "fsdp")
+DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 
 
 class MeshError(ValueError):
-  """A mesh that doesn't fit the devices, or a batch size the data axes don't divide."""
+  """A mesh that doesn't fit the devices, a batch size the data axes don't divide, or an
+  incomplete multi-process launch (checked before anything compiles)."""
 
 
 @dataclasses.dataclass
@@ -66,14 +76,66 @@ class MeshContext:
     return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}
 
 
-def maybe_initialize_distributed():
-  """Multi-host: `jax.distributed.initialize` when the launcher set the coordinator variables."""
-  if os.environ.get("JAX_COORDINATOR_ADDRESS") and not jax.distributed.is_initialized():
-    jax.distributed.initialize(
-        coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
-        num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-        process_id=int(os.environ["JAX_PROCESS_ID"]),
-    )
+def maybe_initialize_distributed() -> bool:
+  """Multi-host: `jax.distributed.initialize` when the launcher set the coordinator variables.
+
+  JAX_COORDINATOR_ADDRESS (host:port of process 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID
+  (0 … N-1). Must run before anything touches a device. On CPU, cross-process collectives use
+  gloo (jax's default `jax_cpu_collectives_implementation`). Returns whether several processes run.
+  """
+  address = os.environ.get("JAX_COORDINATOR_ADDRESS")
+  if not address:
+    missing = [k for k in DISTRIBUTED_ENV[1:] if os.environ.get(k)]
+    if missing:
+      raise MeshError(f"{', '.join(missing)} set without JAX_COORDINATOR_ADDRESS: a multi-process launch needs "
+                      f"all of {', '.join(DISTRIBUTED_ENV)}")
+    return False
+  values = {}
+  for key in DISTRIBUTED_ENV[1:]:
+    raw = os.environ.get(key)
+    try:
+      values[key] = int(raw)
+    except (TypeError, ValueError):
+      raise MeshError(f"JAX_COORDINATOR_ADDRESS={address} is set, so {key} must be an integer, got {raw!r}") from None
+  if values["JAX_NUM_PROCESSES"] < 1 or not 0 <= values["JAX_PROCESS_ID"] < values["JAX_NUM_PROCESSES"]:
+    raise MeshError(f"JAX_PROCESS_ID={values['JAX_PROCESS_ID']} must be in [0, JAX_NUM_PROCESSES="
+                    f"{values['JAX_NUM_PROCESSES']})")
+  if not jax.distributed.is_initialized():
+    jax.distributed.initialize(coordinator_address=address, num_processes=values["JAX_NUM_PROCESSES"],
+                               process_id=values["JAX_PROCESS_ID"])
+  return values["JAX_NUM_PROCESSES"] > 1
+
+
+def is_main_process() -> bool:
+  """Process 0 writes the run's files (metrics, adapter, summary); every process checkpoints."""
+  return jax.process_index() == 0
+
+
+def barrier(name: str):
+  """All processes reach this point before any goes on (no-op with one process)."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)
+
+
+def sum_over_processes(values) -> np.ndarray:
+  """Σ over processes of a small host vector (e.g. this process's token counts)."""
+  values = np.asarray(values)
+  if jax.process_count() == 1:
+    return values
+  from jax.experimental import multihost_utils
+
+  return np.asarray(multihost_utils.process_allgather(values)).sum(axis=0)
+
+
+def to_host(tree):
+  """Global values as numpy on every process (collective: all processes must call it)."""
+  if jax.process_count() == 1:
+    return jax.device_get(tree)
+  from jax.experimental import multihost_utils
+
+  return multihost_utils.process_allgather(tree, tiled=True)  # tiled: each array's global value
 
 
 def make_mesh_context(mesh_cfg) -> MeshContext:
@@ -97,8 +159,8 @@ def make_mesh_context(mesh_cfg) -> MeshContext:
 def check_batch_sizes(cfg, ctx: MeshContext):
   """Every bucket's batch size must split evenly over data × fsdp (checked before compiling)."""
   m = ctx.batch_multiple_of
-  if cfg.data.tokens_per_batch is None and cfg.data.batch_size % m:
-    raise MeshError(f"data.batch_size={cfg.data.batch_size} is not a multiple of the {m} devices on the "
-                    f"data×fsdp axes; use a multiple of {m}")
   if cfg.data.batch_size < 1:
     raise MeshError("data.batch_size must be at least 1")
+  if cfg.data.tokens_per_batch is None and cfg.data.batch_size % m:
+    raise MeshError(f"data.batch_size={cfg.data.batch_size} is not a multiple of the {m} devices on the "
+                    f"data×fsdp axes (mesh {dict(ctx.mesh.shape)}); use a multiple of {m}")

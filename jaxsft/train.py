@@ -255,11 +255,15 @@ class CompiledSteps:
   def __init__(self, fns, lora, opt_state, frozen, mesh_ctx: sharding_lib.MeshContext):
     accumulate, apply, evaluate, zeros = fns
     self.mesh = mesh_ctx
+    # Every output (LoRA params, optimizer state, accumulated sums, metrics) is replicated over the
+    # mesh; without out_shardings, outputs that are constants (zeros, counters) would land on one
+    # device and clash with the mesh-wide inputs of the next call.
+    rep = mesh_ctx.replicated
     self._jit = {
-        "accumulate": jax.jit(accumulate, donate_argnums=0),
-        "apply": jax.jit(apply, donate_argnums=(0, 1)),
-        "evaluate": jax.jit(evaluate),
-        "zeros": jax.jit(zeros),
+        "accumulate": jax.jit(accumulate, donate_argnums=0, out_shardings=rep),
+        "apply": jax.jit(apply, donate_argnums=(0, 1), out_shardings=rep),
+        "evaluate": jax.jit(evaluate, out_shardings=rep),
+        "zeros": jax.jit(zeros, out_shardings=rep),
     }
     self._compiled: dict[Any, Any] = {}
     self._lora, self._opt_state, self._frozen = lora, opt_state, frozen
@@ -309,20 +313,26 @@ class CompiledSteps:
 
 # --------------------------------------------------------------------------- run directory
 class RunFiles:
-  """metrics.jsonl (append, flushed per line), config, held-out records, adapter."""
+  """metrics.jsonl (append, flushed per line), config, held-out records, adapter.
 
-  def __init__(self, output_dir: str):
+  With several processes only process 0 writes (`writer`); orbax checkpoints are every process's.
+  """
+
+  def __init__(self, output_dir: str, writer: bool = True):
     self.dir = pathlib.Path(output_dir)
+    self.writer = writer
     self.metrics = self.dir / "metrics.jsonl"
     self.checkpoints = self.dir / "checkpoints"
     self.adapter = self.dir / "adapter"
 
   def write_json(self, name: str, obj):
+    if not self.writer:
+      return
     _atomic_write_text(self.dir / name, json.dumps(obj, indent=2, default=str))
 
   def truncate_metrics(self, last_step: int):
     """On resume: drop metric lines from steps after the checkpoint (they will be redone)."""
-    if not self.metrics.exists():
+    if not self.writer or not self.metrics.exists():
       return
     kept = []
     for line in self.metrics.read_text().splitlines():
@@ -332,6 +342,8 @@ class RunFiles:
     _atomic_write_text(self.metrics, "".join(l + "\n" for l in kept))
 
   def log(self, record: dict):
+    if not self.writer:
+      return
     with open(self.metrics, "a") as f:
       f.write(json.dumps(record) + "\n")
 
@@ -370,8 +382,9 @@ class RunResult:
 
 def train(cfg: config_lib.TrainConfig) -> RunResult:
   t_start = time.time()
+  sharding_lib.maybe_initialize_distributed()  # several processes: before anything touches a device
   counter = compile_counter()
-  files = RunFiles(cfg.output_dir)
+  files = RunFiles(cfg.output_dir, writer=sharding_lib.is_main_process())
   if not cfg.resume and (files.checkpoints.exists() or files.metrics.exists()):
     raise config_lib.ConfigError(
         f"{files.dir} already holds a run (metrics.jsonl or checkpoints/). Pass --resume to continue it, "
@@ -380,6 +393,7 @@ def train(cfg: config_lib.TrainConfig) -> RunResult:
   # Mesh first: a mesh that doesn't fit the devices fails before anything loads or compiles.
   mesh_ctx = sharding_lib.make_mesh_context(cfg.mesh)
   sharding_lib.check_batch_sizes(cfg, mesh_ctx)
+  sharding_lib.barrier("jaxsft: output dir checked")  # no process writes before all have looked
 
   # Data: records → held-out split; the tokenizer comes with the model.
   log.info("loading data")
@@ -410,7 +424,8 @@ def train(cfg: config_lib.TrainConfig) -> RunResult:
   train_ds = lambda num_epochs: data_lib.make_batches(
       train_records, tokenizer, seed=cfg.data.seed, shuffle=True, num_epochs=num_epochs,
       worker_count=cfg.data.worker_count, shard_by_process=jax.process_count() > 1, stats=stats, **kw)
-  val_ds = lambda: data_lib.make_batches(val_records, tokenizer, seed=0, shuffle=False, num_epochs=1, **kw)
+  val_ds = lambda: data_lib.make_batches(val_records, tokenizer, seed=0, shuffle=False, num_epochs=1,
+                                        shard_by_process=jax.process_count() > 1, **kw)
   shapes = sorted(set(data_lib.batch_shapes(train_records, tokenizer, **kw)) | set(data_lib.batch_shapes(val_records, tokenizer, **kw)))
   batches_per_epoch = sum(1 for _ in data_lib.make_batches(train_records, tokenizer, seed=cfg.data.seed, shuffle=True,
                                                             num_epochs=1, **kw))
@@ -425,7 +440,7 @@ def train(cfg: config_lib.TrainConfig) -> RunResult:
   tx = make_optimizer(cfg.optim, schedule)
   lora = mesh_ctx.replicate(lora)
   frozen = mesh_ctx.shard_frozen(frozen)
-  opt_state = jax.jit(tx.init)(lora)
+  opt_state = jax.jit(tx.init, out_shardings=mesh_ctx.replicated)(lora)  # follows the replicated LoRA params
   steps = CompiledSteps(make_step_fns(graphdef, cfg, tx, schedule), lora, opt_state, frozen, mesh_ctx)
 
   # Warm-up: every shape the pipeline can emit, before step 1.
@@ -492,7 +507,8 @@ def train(cfg: config_lib.TrainConfig) -> RunResult:
         data_iter=grain.checkpoint.CheckpointSave(_IteratorState(state_after)),
         meta=ocp.args.JsonSave(meta),
     ))
-    save_adapter_atomic(nnx.merge(graphdef, lora, frozen), files.adapter, cfg.model.name)
+    if files.writer:  # LoRA params are replicated: process 0 holds all of them
+      save_adapter_atomic(nnx.merge(graphdef, lora, frozen), files.adapter, cfg.model.name)
 
   progress = _progress(total_steps, step, cfg.progress)
   last_loss = val_loss = None
@@ -523,6 +539,8 @@ def train(cfg: config_lib.TrainConfig) -> RunResult:
       if valid == 0 and not epochs_seen:
         break  # data exhausted
       lora, opt_state, out = steps.apply(lora, opt_state, acc, np.int32(step))
+      if jax.process_count() > 1:  # each process counted its own rows
+        tokens, real, valid = (int(x) for x in sharding_lib.sum_over_processes([tokens, real, valid]))
       loss, grad_norm, finite = float(out["loss"]), float(out["grad_norm"]), bool(out["finite"])
       step += 1
       seconds = time.time() - t_step
@@ -589,6 +607,11 @@ def train(cfg: config_lib.TrainConfig) -> RunResult:
   recompiles = steps.recompiles
   dropped = stats.summary() if hasattr(stats, "summary") else str(stats)
   result = RunResult(str(files.dir), step, last_loss, val_loss, meta["first_val_loss"], warmup_compiles, recompiles, stopped_early)
+  if jax.process_count() > 1:
+    # Process 0 finishes alone (plot, doctor, generation) on a local copy of the gathered weights.
+    lora, frozen = sharding_lib.to_host((lora, frozen))
+    if not files.writer:
+      return result
   model = nnx.merge(graphdef, lora, frozen)
   _finish(cfg, files, result, model, tokenizer, val_records, dropped, time.time() - t_start)
   return result
