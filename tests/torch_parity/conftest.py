@@ -1,0 +1,136 @@
+"""Fixtures for the PyTorch cross-check suite: the same weights and batches on both sides.
+
+Everything runs in float32, jaxsft under `jax.default_matmul_precision("highest")`. The real
+SmolLM2-135M-Instruct is loaded once per session on each side (transformers from the GGUF, jaxsft
+from its safetensors cache of the same GGUF); the tiny random Llama (Llama-3 rope scaling, untied)
+and Qwen2 (q/k/v biases, tied) are built with transformers and loaded by jaxsft from the saved
+directory. Batches are real examples of `../shared/data/` through `jaxsft.data`.
+"""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+from jaxsft import data  # noqa: E402
+from jaxsft.models import load_causal_lm, resolve_model  # noqa: E402
+
+from parity_utils import PAD  # noqa: E402
+
+
+def pytest_collection_modifyitems(items):
+  for item in items:
+    if "torch_parity" in str(item.fspath):
+      item.add_marker(pytest.mark.torch)
+
+
+@pytest.fixture(autouse=True)
+def highest_precision():
+  torch.set_num_threads(2)
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+
+
+@pytest.fixture(scope="session")
+def examples(tokenizer, shared_data):
+  """Tokenized Alpaca examples (≤ 128 tokens, at least one trained token), in file order."""
+  records = data.load_records(shared_data / "alpaca_en_demo.json")
+  out = []
+  for record in records[:64]:
+    example = data.tokenize_example(tokenizer, record, max_length=128)
+    if example is not None:
+      out.append(example)
+  return out
+
+
+@pytest.fixture(scope="session")
+def multiturn_examples(tokenizer, shared_data):
+  records = data.load_records(shared_data / "chat_multiturn_demo.json")
+  out = []
+  for record in records:
+    if len(record["messages"]) > 2:
+      example = data.tokenize_example(tokenizer, record, max_length=128)
+      if example is not None:
+        out.append(example)
+    if len(out) == 4:
+      return out
+  raise AssertionError("no multi-turn examples")
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+
+
+@pytest.fixture(scope="session")
+def smollm2_torch():
+  source = resolve_model("smollm2-135m-instruct")
+  model = transformers.AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file,
+                                                            dtype=torch.float32)
+  return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_jax():
+  return load_causal_lm("smollm2-135m-instruct", dtype="float32")
+
+
+def tiny_hf_config(kind: str):
+  common = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1,
+                max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=PAD)
+  if kind == "llama":
+    return transformers.LlamaConfig(
+        **common, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+  if kind == "qwen2":
+    return transformers.Qwen2Config(**common, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+  raise ValueError(kind)
+
+
+def _tiny_pair(kind, tmp_path_factory):
+  """(torch model, jaxsft model) with the same random weights, through a saved HF directory."""
+  torch.manual_seed(0)
+  hf = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(kind), dtype=torch.float32)
+  with torch.no_grad():  # nonzero biases and non-unit norm weights, so that loading them is checked
+    for name, p in hf.named_parameters():
+      if p.ndim == 1:
+        p.copy_(torch.rand_like(p) + 0.5 if "norm" in name else torch.randn_like(p) * 0.1)
+  folder = tmp_path_factory.mktemp(f"tiny_{kind}")
+  hf.save_pretrained(folder)
+  return hf.eval(), load_causal_lm(str(folder), dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+  return _tiny_pair("llama", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory):
+  return _tiny_pair("qwen2", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_torch, smollm2_jax):
+  return smollm2_torch, smollm2_jax
+
+
+MODELS = [pytest.param("smollm2", marks=pytest.mark.slow), "tiny_llama", "tiny_qwen2"]
+
+
+@pytest.fixture(params=MODELS)
+def pair(request):
+  """(torch model, jaxsft model): the real SmolLM2 (slow) and the tiny Llama and Qwen2."""
+  return request.getfixturevalue(request.param)
+
+
