@@ -1,0 +1,419 @@
+"""Compile-friendly collation study: padding waste against the number of compiled shapes.
+
+    python -m benchmarks.collation [--quick] [--model smollm2-shaped-4l] [--examples 256]
+
+On each shared data file (`alpaca_en_demo.json`, `chat_multiturn_demo.json`,
+`oasst_top_paths.jsonl`) and on jaxsft's built-in task set, a fixed subset of `--examples`
+records (the first ones of a seeded permutation) goes through jaxsft's real pipeline
+(`jaxsft.data.make_batches`, SmolLM2-135M-Instruct's tokenizer, max_length 1024, batch size 8)
+once per collation mode:
+
+  static            T = max_length
+  dynamic x8        T = batch maximum rounded up to a multiple of 8
+  bucketed pow2     T = the smallest of 32, 64, ..., max_length that fits
+  bucketed K=k      `choose_buckets`' k boundaries (exact DP over the subset's lengths), k = 2, 4, 8, 16
+  packed            first-fit packing into rows of max_length (segment ids, restarted positions)
+
+and reports distinct batch shapes (= compiles), padded / real / trained tokens and waste.
+
+Timing. The step is jaxsft's train step (`benchmarks.common.JaxsftStep`: the trainer's
+`make_step_fns` + `CompiledSteps`, LoRA r 8 on q/v, clip + AdamW). On a CPU, running every batch
+of every mode of every file through even a small model takes far longer than the ~10 minutes this
+study gets (the static mode alone is 256 x 1024 tokens per file), so the default run measures the
+step's two costs per shape and composes each mode's end-to-end time from them:
+
+  end_to_end(mode) = pipeline seconds + compile(zeros, apply)
+                     + sum over the mode's distinct shapes (B, T) of compile_seconds(B, T)
+                     + sum over its batches of step_seconds(B, T)
+
+compile_seconds and step_seconds are measured at B = batch size and T on a grid (32, 64, ...,
+max_length; a fresh AOT compile each, the median of `--reps` steps), and interpolated linearly in T
+between grid points (a step's cost depends only on its shape, not on the token values). Packed rows
+(segment ids) are measured separately at (B, max_length). `--validate DATASET:MODE ...` runs modes
+for real as the trainer would (fresh compiles of the shapes it emits, then every batch) and puts the
+measured time beside the composed one. Steady-state tokens/s = tokens / sum of step seconds
+(compiles excluded); "real" counts attention_mask tokens, "trained" counts labels != -100.
+
+Writes benchmarks/results/collation{suffix}.json, .md and .png (waste % against shapes: the
+Pareto front of the study).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+import sys
+import time
+
+import numpy as np
+
+from benchmarks import common
+
+MODES = ("static", "dynamic x8", "bucketed pow2", "bucketed K=2", "bucketed K=4", "bucketed K=8",
+         "bucketed K=16", "packed")
+
+
+def pow2_buckets(max_length: int, smallest: int = 32) -> list[int]:
+  """32, 64, ... up to the first power of two >= max_length, the last replaced by max_length."""
+  out, b = [], smallest
+  while b < max_length:
+    out.append(b)
+    b *= 2
+  return out + [max_length]
+
+
+def mode_config(mode: str, *, max_length: int, batch_size: int) -> dict:
+  """`make_batches` / `batch_shapes` keyword arguments of a collation mode."""
+  cfg = dict(max_length=max_length, batch_size=batch_size, pad_to_multiple_of=8)
+  if mode == "static":
+    return dict(cfg, batching="static")
+  if mode == "dynamic x8":
+    return dict(cfg, batching="dynamic")
+  if mode == "packed":
+    return dict(cfg, batching="packed")
+  if mode == "bucketed pow2":
+    return dict(cfg, batching="bucketed", bucket_lengths=pow2_buckets(max_length))
+  if mode.startswith("bucketed K="):
+    return dict(cfg, batching="bucketed", num_buckets=int(mode.split("=")[1]))
+  raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")
+
+
+# --------------------------------------------------------------------------- counting
+def count_mode(records, tokenizer, mode: str, *, max_length: int, batch_size: int, seed: int = 0):
+  """One epoch of the real pipeline: (summary, list of (shape, packed) per batch)."""
+  from jaxsft.data import PipelineStats, batch_shapes, make_batches
+
+  config = mode_config(mode, max_length=max_length, batch_size=batch_size)
+  stats = PipelineStats()
+  start = time.perf_counter()
+  shapes = [tuple(b["input_ids"].shape)
+            for b in make_batches(records, tokenizer, seed=seed, num_epochs=1, stats=stats, **config)]
+  pipeline_s = time.perf_counter() - start
+  listed = batch_shapes(records, tokenizer, **config)
+  distinct = sorted(set(shapes))
+  summary = {
+      "batches": stats.batches, "fill_rows": stats.fill_rows, "padded": stats.padded_tokens,
+      "real": stats.real_tokens, "trained": stats.label_tokens, "waste_pct": 100 * stats.waste_frac,
+      "shapes": len(distinct), "listed_shapes": len(listed), "distinct_shapes": distinct,
+      "truncated": stats.truncated, "dropped": stats.dropped, "pipeline_s": pipeline_s,
+  }
+  if config["batching"] == "bucketed":
+    summary["buckets"] = [t for _, t in listed]
+  return summary, shapes
+
+
+# --------------------------------------------------------------------------- per-shape costs
+def fake_batch(shape, *, packed: bool, rng, vocab_size: int) -> dict:
+  """A batch of the given shape (token values don't change the cost: every op is dense)."""
+  b, t = shape
+  ids = rng.integers(3, vocab_size, shape).astype(np.int32)
+  batch = {"input_ids": ids, "attention_mask": np.ones(shape, np.int32), "labels": ids.copy()}
+  if packed:  # two segments per row
+    half = t // 2
+    batch["segment_ids"] = np.where(np.arange(t) < half, 1, 2).astype(np.int32)[None].repeat(b, 0)
+    batch["positions"] = np.where(np.arange(t) < half, np.arange(t), np.arange(t) - half).astype(np.int32)[None].repeat(b, 0)
+    batch["labels"][:, half] = -100
+  return batch
+
+
+def calibrate(model, cfg, *, batch_size: int, lengths, max_length: int, reps: int, log=print) -> dict:
+  """Fresh compile seconds and median step seconds of jaxsft's step at (batch_size, T) for T in
+  `lengths`, and at (batch_size, max_length) with packed inputs."""
+  step = common.JaxsftStep(model, cfg)
+  fixed = step.warm_up([])  # zeros + the optimizer update: once per run whatever the shapes
+  rng = np.random.default_rng(0)
+  points = []
+  for packed, t in [(False, t) for t in lengths] + [(True, max_length)]:
+    shape = (batch_size, t)
+    compiled = step.warm_up([shape], packed=packed)
+    batch = fake_batch(shape, packed=packed, rng=rng, vocab_size=model.config.vocab_size)
+    times = []
+    for _ in range(reps):
+      t0 = time.perf_counter()
+      step.step(batch)
+      times.append(time.perf_counter() - t0)
+    points.append({"shape": list(shape), "packed": packed, "compile_s": compiled["seconds"],
+                   "xla_compile_s": compiled["xla_seconds"], "compiles": compiled["compiles"],
+                   "step_s": float(np.median(times)), "step_times": times})
+    log(f"  calibrate {'packed ' if packed else ''}{shape}: compile {compiled['seconds']:.1f}s, "
+        f"step {np.median(times):.3f}s ({reps} reps)")
+  if step.recompiles:
+    raise RuntimeError(f"calibration recompiled {step.recompiles} times after warm-up: {step.steps.unexpected_shapes}")
+  return {"fixed_compile_s": fixed["seconds"], "fixed_compiles": fixed["compiles"], "points": points}
+
+
+def _interp(t: float, xs, ys) -> float:
+  """Piecewise-linear in T, extrapolated linearly past the ends (never below 0)."""
+  xs, ys = np.asarray(xs, float), np.asarray(ys, float)
+  if len(xs) == 1:
+    return float(ys[0] * t / xs[0])
+  if t < xs[0]:
+    i = 0
+  elif t > xs[-1]:
+    i = len(xs) - 2
+  else:
+    return float(np.interp(t, xs, ys))
+  slope = (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
+  return float(max(ys[i] + slope * (t - xs[i]), 0.0))
+
+
+def shape_cost(calibration: dict, shape, *, packed: bool, batch_size: int) -> tuple[float, float]:
+  """(compile seconds, step seconds) of one (B, T), from the calibration (rows scale linearly)."""
+  pts = [p for p in calibration["points"] if p["packed"] == packed]
+  if packed and shape[1] != pts[0]["shape"][1]:
+    raise ValueError(f"packed shape {shape} was not calibrated")
+  xs = [p["shape"][1] for p in pts]
+  compile_s = _interp(shape[1], xs, [p["compile_s"] for p in pts])
+  step_s = _interp(shape[1], xs, [p["step_s"] for p in pts]) * shape[0] / batch_size
+  return compile_s, step_s
+
+
+def compose(summary: dict, shapes, calibration: dict, *, packed: bool, batch_size: int) -> dict:
+  """A mode's costs from its shapes and batches (see the module docstring)."""
+  compile_s = sum(shape_cost(calibration, s, packed=packed, batch_size=batch_size)[0]
+                  for s in summary["distinct_shapes"])
+  step_s = sum(shape_cost(calibration, s, packed=packed, batch_size=batch_size)[1] for s in shapes)
+  return {
+      "compiles": calibration["fixed_compiles"] + summary["shapes"],
+      "compile_s": calibration["fixed_compile_s"] + compile_s,
+      "step_s": step_s,
+      "padded_tokens_per_s": summary["padded"] / step_s,
+      "real_tokens_per_s": summary["real"] / step_s,
+      "trained_tokens_per_s": summary["trained"] / step_s,
+      "end_to_end_s": summary["pipeline_s"] + calibration["fixed_compile_s"] + compile_s + step_s,
+  }
+
+
+def measure(model, cfg, records, tokenizer, mode: str, *, max_length: int, batch_size: int, seed: int = 0) -> dict:
+  """A real run of one epoch, as the trainer does it: pipeline, AOT compile of every shape the
+  epoch emits (all listed shapes but for dynamic, whose 128 listed widths would all be compiled
+  by jaxsft's trainer; here only the widths that occur), then every batch."""
+  from jaxsft.data import batch_shapes, make_batches
+
+  config = mode_config(mode, max_length=max_length, batch_size=batch_size)
+  start = time.perf_counter()
+  step = common.JaxsftStep(model, cfg)
+  batches = list(make_batches(records, tokenizer, seed=seed, num_epochs=1, **config))
+  shapes = sorted({tuple(b["input_ids"].shape) for b in batches})
+  if config["batching"] != "dynamic":
+    shapes = sorted(set(shapes) | set(batch_shapes(records, tokenizer, **config)))
+  warm = step.warm_up(shapes, packed=config["batching"] == "packed")
+  t_steps = time.perf_counter()
+  losses = [step.step(b) for b in batches]
+  end = time.perf_counter()
+  return {"end_to_end_s": end - start, "compile_s": warm["seconds"], "compiles": warm["compiles"],
+          "step_s": end - t_steps, "batches": len(batches), "recompiles": step.recompiles,
+          "first_loss": losses[0], "last_loss": losses[-1]}
+
+
+# --------------------------------------------------------------------------- the study
+def run_study(*, datasets, model_name: str, examples: int, max_length: int, batch_size: int, grid, reps: int,
+              validate=(), dtype: str = "float32", seed: int = 0, log=print) -> dict:
+  """Counts for every dataset x mode, per-shape calibration, composed costs, optional real runs."""
+  import jax
+
+  tokenizer = common.load_tokenizer()
+  result = {"machine": common.machine_info(), "model": model_name, "model_description": common.describe_model(model_name),
+            "dtype": dtype, "examples": examples, "max_length": max_length, "batch_size": batch_size,
+            "grid": list(grid), "reps": reps, "datasets": {}}
+  log(f"machine: {common.machine_line(result['machine'])}")
+  records_of = {}
+  for name in datasets:
+    records = common.dataset_records(name, limit=examples, seed=seed)
+    records_of[name] = records
+    from jaxsft.data import tokenized
+
+    t0 = time.perf_counter()
+    tokenized(records, tokenizer, max_length=max_length)  # cached on `records` for every mode
+    per = {"records": len(records), "tokenize_s": time.perf_counter() - t0, "modes": {}, "shapes_of": {}}
+    for mode in MODES:
+      summary, shapes = count_mode(records, tokenizer, mode, max_length=max_length, batch_size=batch_size, seed=seed)
+      per["modes"][mode] = summary
+      per["shapes_of"][mode] = shapes
+      log(f"{name:28} {mode:14} shapes {summary['shapes']:3} batches {summary['batches']:3} "
+          f"padded {summary['padded']:8,} waste {summary['waste_pct']:5.1f}%")
+    result["datasets"][name] = per
+
+  log(f"timed model: {result['model_description']} ({jax.default_backend()}, {dtype})")
+  model = common.load_jax_model(model_name, dtype=dtype, seed=seed)
+  cfg = common.train_config()
+  t0 = time.perf_counter()
+  calibration = calibrate(model, cfg, batch_size=batch_size, lengths=grid, max_length=max_length, reps=reps, log=log)
+  calibration["seconds"] = time.perf_counter() - t0
+  result["calibration"] = calibration
+  for name, per in result["datasets"].items():
+    for mode, summary in per["modes"].items():
+      summary["composed"] = compose(summary, per["shapes_of"][mode], calibration, packed=mode == "packed",
+                                    batch_size=batch_size)
+    del per["shapes_of"]
+    for summary in per["modes"].values():
+      summary["distinct_shapes"] = [list(s) for s in summary["distinct_shapes"]]
+
+  result["validation"] = []
+  for item in validate:
+    name, mode = item.rsplit(":", 1)
+    if name not in records_of or mode not in MODES:
+      raise SystemExit(f"--validate {item!r}: dataset must be one of {list(records_of)} and mode one of {MODES}")
+    jax.clear_caches()
+    measured = measure(model, cfg, records_of[name], tokenizer, mode, max_length=max_length, batch_size=batch_size,
+                       seed=seed)
+    composed = result["datasets"][name]["modes"][mode]["composed"]
+    result["validation"].append({"dataset": name, "mode": mode, "measured": measured,
+                                 "composed_end_to_end_s": composed["end_to_end_s"]})
+    log(f"validate {name} {mode}: measured {measured['end_to_end_s']:.1f}s, composed {composed['end_to_end_s']:.1f}s")
+  result["findings"] = findings(result)
+  return result
+
+
+def findings(result: dict) -> dict:
+  """Per dataset: the fewest chosen buckets within 2 points of dynamic's waste (or below it), the
+  fastest mode end to end, and the K = 8 target (below static and dynamic)."""
+  out = {}
+  for name, per in result["datasets"].items():
+    modes = per["modes"]
+    dyn = modes["dynamic x8"]["waste_pct"]
+    close = [int(m.split("=")[1]) for m in MODES if m.startswith("bucketed K=") and modes[m]["waste_pct"] <= dyn + 2]
+    e2e = {m: s["composed"]["end_to_end_s"] for m, s in modes.items()}
+    k8 = e2e["bucketed K=8"]
+    out[name] = {"fewest_buckets_within_2_points_of_dynamic": min(close) if close else None,
+                 "fastest_end_to_end": min(e2e, key=e2e.get),
+                 "k8_over_static": k8 / e2e["static"], "k8_over_dynamic": k8 / e2e["dynamic x8"],
+                 "k8_beats_static_and_dynamic": k8 < e2e["static"] and k8 < e2e["dynamic x8"]}
+  return out
+
+
+# --------------------------------------------------------------------------- output
+def markdown(result: dict, command: str) -> str:
+  cal = result["calibration"]
+  lines = [
+      "# Collation study: padding waste against compiled shapes", "",
+      f"`{command}`", "",
+      f"Machine: {common.machine_line(result['machine'])}.", "",
+      f"Pipeline: jaxsft's `make_batches` with SmolLM2-135M-Instruct's tokenizer, max_length {result['max_length']}, "
+      f"batch size {result['batch_size']}, one epoch over the first {result['examples']} records of a seeded "
+      "permutation of each file (all of them when fewer). Timed step: jaxsft's train step (`make_step_fns` + "
+      f"`CompiledSteps`: LoRA r 8 on q/v, clip + AdamW) on {result['model_description']}, {result['dtype']}, "
+      f"{result['machine']['backend']}.", "",
+      "Columns: *shapes* = distinct (B, T) the epoch emits = compiles of the train step (jaxsft's trainer compiles "
+      "every *listed* shape up front; for dynamic that is every multiple of 8 up to max_length); *waste* = "
+      "padding tokens / padded tokens (B x T summed, fill rows included); *tok/s* = real (attention-mask) and "
+      "trained (label) tokens per second of step time, compiles excluded; *end to end* = pipeline + compiles "
+      "+ steps for the epoch, composed from the per-shape costs below (see `benchmarks/collation.py`).", "",
+  ]
+  for name, per in result["datasets"].items():
+    lines += [f"## {name} ({per['records']} records; tokenizing them once: {per['tokenize_s']:.1f} s)", "",
+              "| mode | shapes (listed) | batches | padded | real | trained | waste % | compiles | compile s | "
+              "real tok/s | trained tok/s | end to end s |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for mode, s in per["modes"].items():
+      c = s["composed"]
+      lines.append(f"| {mode} | {s['shapes']} ({s['listed_shapes']}) | {s['batches']} | {s['padded']:,} | "
+                   f"{s['real']:,} | {s['trained']:,} | {s['waste_pct']:.1f} | {c['compiles']} | "
+                   f"{c['compile_s']:.1f} | {c['real_tokens_per_s']:,.0f} | {c['trained_tokens_per_s']:,.0f} | "
+                   f"{c['end_to_end_s']:.1f} |")
+    buckets = {m: s["buckets"] for m, s in per["modes"].items() if "buckets" in s}
+    lines += [""] + [f"- {m} boundaries: {b}" for m, b in buckets.items()] + [""]
+  lines += ["## Findings", "",
+            "| data | fewest chosen buckets within 2 points of dynamic's waste | fastest end to end | "
+            "K=8 / static | K=8 / dynamic | K=8 below both |", "| --- | ---: | --- | ---: | ---: | --- |"]
+  for name, f in result["findings"].items():
+    lines.append(f"| {name} | {f['fewest_buckets_within_2_points_of_dynamic']} | {f['fastest_end_to_end']} | "
+                 f"{f['k8_over_static']:.2f} | {f['k8_over_dynamic']:.2f} | "
+                 f"{'yes' if f['k8_beats_static_and_dynamic'] else 'NO'} |")
+  lines += ["", f"## Per-shape costs (B = {result['batch_size']}; calibration took {cal['seconds']:.0f} s)", "",
+            f"Compiling `zeros` + the optimizer update once per run: {cal['fixed_compile_s']:.1f} s "
+            f"({cal['fixed_compiles']} compiles).", "",
+            "| T | inputs | compile s (wall) | XLA compile s | step s (median of "
+            f"{result['reps']}) | padded tok/s |", "| ---: | --- | ---: | ---: | ---: | ---: |"]
+  for p in cal["points"]:
+    b, t = p["shape"]
+    lines.append(f"| {t} | {'packed (segment ids)' if p['packed'] else 'padded'} | {p['compile_s']:.1f} | "
+                 f"{p['xla_compile_s']:.1f} | {p['step_s']:.3f} | {b * t / p['step_s']:,.0f} |")
+  if result["validation"]:
+    lines += ["", "## Composed against measured (real runs: pipeline, compiles, every batch)", "",
+              "| data | mode | batches | compiles | measured end to end s | composed s | measured / composed |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for v in result["validation"]:
+      m = v["measured"]
+      lines.append(f"| {v['dataset']} | {v['mode']} | {m['batches']} | {m['compiles']} | {m['end_to_end_s']:.1f} | "
+                   f"{v['composed_end_to_end_s']:.1f} | {m['end_to_end_s'] / v['composed_end_to_end_s']:.2f} |")
+  return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path) -> None:
+  """Waste % against distinct shapes per dataset; the bucketed K series drawn as a line."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(8, 5))
+  markers = {"static": "s", "dynamic x8": "D", "bucketed pow2": "^", "packed": "*"}
+  for (name, per), color in zip(result["datasets"].items(), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
+    modes = per["modes"]
+    ks = [m for m in MODES if m.startswith("bucketed K=")]
+    ax.plot([modes[m]["shapes"] for m in ks], [modes[m]["waste_pct"] for m in ks], "o-", color=color, label=name)
+    for m in ks:
+      ax.annotate(m.split(" ")[1], (modes[m]["shapes"], modes[m]["waste_pct"]), fontsize=7, color=color,
+                  xytext=(3, 3), textcoords="offset points")
+    for m, marker in markers.items():
+      ax.plot(modes[m]["shapes"], modes[m]["waste_pct"], marker, color=color, markersize=8, fillstyle="none")
+  for m, marker in markers.items():
+    ax.plot([], [], marker, color="gray", fillstyle="none", label=m)
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("distinct batch shapes (= compiles of the train step)")
+  ax.set_ylabel("padding waste % of computed tokens")
+  ax.set_title(f"Padding waste vs compiled shapes (max_length {result['max_length']}, batch {result['batch_size']}, "
+               f"{result['examples']} records per dataset)", fontsize=9)
+  ax.grid(True, alpha=0.3)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--model", default="smollm2-shaped-4l",
+                      help=f"timed model: {sorted(common.RANDOM_MODELS)} (random) or a model name/path, e.g. "
+                           f"{common.REAL_MODEL} (default: %(default)s)")
+  parser.add_argument("--dtype", default="float32")
+  parser.add_argument("--examples", type=int, default=256, help="records per dataset (default: %(default)s)")
+  parser.add_argument("--max-length", type=int, default=1024)
+  parser.add_argument("--batch-size", type=int, default=8)
+  parser.add_argument("--grid", type=int, nargs="+", default=None,
+                      help="calibration widths T (default: 32, 64, ..., max_length plus 3/4 max_length)")
+  parser.add_argument("--reps", type=int, default=2, help="timed steps per calibration shape (default: %(default)s)")
+  parser.add_argument("--validate", nargs="*", default=None,
+                      help="DATASET:MODE pairs to run for real (default: built-in dataset, dynamic and K=8)")
+  parser.add_argument("--datasets", nargs="+", default=[*common.SHARED_FILES, common.BUILTIN])
+  parser.add_argument("--quick", action="store_true", help="128 records, grid 64/256/max_length, 1 rep, no validation")
+  parser.add_argument("--suffix", default="", help="result file suffix, e.g. _gpu")
+  args = parser.parse_args(argv)
+  grid = args.grid
+  if args.quick:
+    args.examples, args.reps = min(args.examples, 128), 1
+    grid = grid or [64, 256, args.max_length]
+    if args.validate is None:
+      args.validate = []
+  grid = sorted(set(grid or pow2_buckets(args.max_length) + [args.max_length * 3 // 4]))
+  if args.validate is None:
+    args.validate = [f"{common.BUILTIN}:dynamic x8", f"{common.BUILTIN}:bucketed K=8"]
+  start = time.perf_counter()
+  result = run_study(datasets=args.datasets, model_name=args.model, examples=args.examples, max_length=args.max_length,
+                     batch_size=args.batch_size, grid=grid, reps=args.reps, validate=args.validate, dtype=args.dtype,
+                     log=lambda s: print(s, flush=True))
+  result["seconds"] = time.perf_counter() - start
+  result["load_average_at_end"] = list(__import__("os").getloadavg())
+  command = "python -m benchmarks.collation " + " ".join(a if " " not in a else repr(a) for a in (argv or sys.argv[1:]))
+  md = markdown(result, command.strip())
+  common.write_results(f"collation{args.suffix}", result, md)
+  plot(result, common.RESULTS / f"collation{args.suffix}.png")
+  print(md)
+  print(f"total {result['seconds']:.0f} s; wrote {common.RESULTS}/collation{args.suffix}.{{json,md,png}}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,236 @@
+"""Shared pieces of the benchmarks: paths, the machine, the models, data subsets, jaxsft's step.
+
+The timed step is the trainer's own: `jaxsft.train.make_step_fns` (accumulate → apply: Σ grad
+nll / Σ valid → clip → AdamW) compiled ahead of time per batch shape by `jaxsft.train.CompiledSteps`,
+on the mesh the trainer builds (`jaxsft.sharding`). One benchmark step = one optimizer step with
+one micro-batch, exactly what `python -m jaxsft.train` runs per step with `grad_accum=1`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import platform
+import statistics
+import time
+from typing import Any, Sequence
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"
+RESULTS = ROOT / "benchmarks" / "results"
+SHARED_FILES = ("alpaca_en_demo.json", "chat_multiturn_demo.json", "oasst_top_paths.jsonl")
+BUILTIN = "built-in (synthetic)"  # jaxsft's generated default dataset
+REAL_MODEL = "smollm2-135m-instruct"
+
+
+# --------------------------------------------------------------------------- machine
+def cpu_name() -> str:
+  try:
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+      if line.startswith("model name"):
+        return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict[str, Any]:
+  """Where the figures came from: CPU, cores, load, JAX backend and device, library versions."""
+  import jax
+
+  info = {"cpu": cpu_name(), "cpus": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()],
+          "python": platform.python_version(), "jax": jax.__version__, "backend": jax.default_backend(),
+          "device": str(jax.devices()[0].device_kind), "device_count": jax.device_count()}
+  try:
+    import flax
+
+    info["flax"] = flax.__version__
+  except ImportError:
+    pass
+  return info
+
+
+def machine_line(info: dict) -> str:
+  device = "" if info["backend"] == "cpu" else f", {info['device_count']}× {info['device']} ({info['backend']})"
+  return (f"{info['cpu']}, {info['cpus']} cores{device}; JAX {info['jax']}; 1/5/15-minute load average at start "
+          f"{'/'.join(f'{x:.1f}' for x in info['load_average'])}")
+
+
+def peak_rss_mib() -> float:
+  """This process's peak resident set size (Linux ru_maxrss is KiB)."""
+  import resource
+
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def write_results(stem: str, result: dict, markdown: str) -> None:
+  RESULTS.mkdir(parents=True, exist_ok=True)
+  (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2, default=_jsonable) + "\n")
+  (RESULTS / f"{stem}.md").write_text(markdown)
+
+
+def _jsonable(x):
+  import numpy as np
+
+  if isinstance(x, np.generic):
+    return x.item()
+  if isinstance(x, np.ndarray):
+    return x.tolist()
+  if dataclasses.is_dataclass(x):
+    return dataclasses.asdict(x)
+  return str(x)
+
+
+def median(xs: Sequence[float]) -> float | None:
+  xs = [x for x in xs if x is not None]
+  return statistics.median(xs) if xs else None
+
+
+# --------------------------------------------------------------------------- models
+def smollm2_shaped(num_layers: int):
+  """SmolLM2-135M's architecture (vocab 49,152, hidden 576, 9 heads / 3 KV heads, SwiGLU 1536,
+  tied embeddings) with `num_layers` decoder layers instead of 30: the same per-layer and LM-head
+  shapes, so a CPU can time it in seconds."""
+  from jaxsft.models import LlamaConfig
+
+  return LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=num_layers,
+                     num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+                     tie_word_embeddings=True, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2,
+                     pad_token_id=2)
+
+
+def tiny_config():
+  """The test suite's tiny Llama (2 layers, hidden 64) with the real 49,152-token vocabulary."""
+  from jaxsft.models import LlamaConfig
+
+  return LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                     num_kv_heads=2, head_dim=16, rope_theta=100000.0, tie_word_embeddings=True,
+                     bos_token_id=1, eos_token_id=2, pad_token_id=2)
+
+
+RANDOM_MODELS = {
+    "smollm2-shaped-4l": lambda: smollm2_shaped(4),
+    "smollm2-shaped-2l": lambda: smollm2_shaped(2),
+    "tiny": tiny_config,
+}
+
+
+def describe_model(name: str) -> str:
+  if name in RANDOM_MODELS:
+    c = RANDOM_MODELS[name]()
+    return (f"`{name}`: random weights, SmolLM2-135M-Instruct's shapes but {c.num_layers} layers "
+            f"(hidden {c.hidden_size}, vocab {c.vocab_size:,})" if c.hidden_size == 576 else
+            f"`{name}`: random weights, {c.num_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size:,}")
+  return f"`{name}` (real weights)"
+
+
+def load_jax_model(name: str, *, dtype: str = "float32", seed: int = 0, attention: str = "xla"):
+  """A jaxsft `CausalLM`: a random config from `RANDOM_MODELS`, or real weights by name/path."""
+  from jaxsft.models import init_random, load_causal_lm
+
+  if name in RANDOM_MODELS:
+    return init_random(RANDOM_MODELS[name](), dtype=dtype, seed=seed, attention=attention)
+  return load_causal_lm(name, dtype=dtype, attention=attention)
+
+
+# --------------------------------------------------------------------------- data
+def load_tokenizer():
+  from jaxsft.models.hub import load_tokenizer as load
+
+  return load(REAL_MODEL)
+
+
+def dataset_records(name: str, *, limit: int | None, seed: int = 0):
+  """A fixed subset: the first `limit` records of a seeded permutation of the file (or of jaxsft's
+  built-in task set of 1,200 records, the trainer's default data), as a `Records` object."""
+  import numpy as np
+
+  from jaxsft.data import Records, load_records
+
+  if name == BUILTIN:
+    from jaxsft.data import synthetic
+
+    records = synthetic.make_dataset(1200, seed=0)
+  else:
+    records = load_records(SHARED / name)
+  order = np.random.default_rng(seed).permutation(len(records))
+  if limit is not None:
+    order = order[:limit]
+  return Records([records[i] for i in order])
+
+
+# --------------------------------------------------------------------------- jaxsft's train step
+def train_config(*, lr: float = 1e-3, max_grad_norm: float = 1.0, chunked_loss: bool = False):
+  """The trainer's config for the benchmarks: LoRA r 8 / alpha 16 on q_proj, v_proj, no dropout;
+  AdamW (b1 0.9, b2 0.999, eps 1e-8, no weight decay) at a constant `lr` after clipping the global
+  gradient norm to `max_grad_norm`."""
+  from jaxsft import config as config_lib
+
+  cfg = config_lib.TrainConfig()
+  cfg.lora = config_lib.LoraConfig(r=8, alpha=16.0, dropout=0.0, target_modules=("q_proj", "v_proj"))
+  cfg.optim = config_lib.OptimConfig(lr=lr, weight_decay=0.0, schedule="constant", warmup_steps=0,
+                                     max_grad_norm=max_grad_norm)
+  cfg.model.chunked_loss = chunked_loss
+  return cfg
+
+
+class JaxsftStep:
+  """jaxsft's train step as the trainer runs it: `CompiledSteps` (AOT per shape) on its mesh.
+
+  `warm_up(shapes)` compiles every shape (and the optimizer update) up front, like the trainer
+  before step 1; `step(batch)` runs one optimizer step on one micro-batch and returns the loss
+  (a float: the host waits for the step, as the trainer's metrics line does).
+  """
+
+  def __init__(self, model, cfg, *, total_steps: int = 10_000, adapter_dir=None):
+    import jax
+    from flax import nnx
+
+    from jaxsft import lora as lora_lib
+    from jaxsft import sharding, train
+
+    lora_lib.apply_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
+                        target_modules=cfg.lora.target_modules, seed=cfg.seed)
+    if adapter_dir is not None:  # start from given LoRA factors (the same ones another framework gets)
+      lora_lib.load_adapter(model, adapter_dir)
+    self.mesh = sharding.make_mesh_context(cfg.mesh)
+    graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+    schedule = train.make_schedule(cfg.optim, total_steps)
+    tx = train.make_optimizer(cfg.optim, schedule)
+    self.lora = self.mesh.replicate(lora)
+    self.frozen = self.mesh.shard_frozen(frozen)
+    self.opt_state = jax.jit(tx.init, out_shardings=self.mesh.replicated)(self.lora)
+    self.steps = train.CompiledSteps(train.make_step_fns(graphdef, cfg, tx, schedule), self.lora, self.opt_state,
+                                     self.frozen, self.mesh)
+    self.counter = train.compile_counter()
+    self.index = 0
+    self.packed_keys = ("input_ids", "attention_mask", "labels", "segment_ids", "positions")
+
+  def warm_up(self, shapes, *, packed: bool = False) -> dict[str, float]:
+    """Compiles `shapes`; returns {"compiles", "xla_seconds", "seconds"} (wall, tracing included)."""
+    keys = self.packed_keys if packed else ("input_ids", "attention_mask", "labels")
+    count0, secs0, t0 = self.counter.count, self.counter.seconds, time.perf_counter()
+    self.steps.warm_up(sorted(shapes), keys, with_eval=False)
+    return {"compiles": self.counter.count - count0, "xla_seconds": self.counter.seconds - secs0,
+            "seconds": time.perf_counter() - t0}
+
+  def step(self, batch: dict) -> float:
+    import numpy as np
+
+    from jaxsft.train import BATCH_KEYS
+
+    device_batch = self.mesh.put_batch({k: batch[k] for k in BATCH_KEYS if k in batch})
+    acc = self.steps.zeros(self.lora)
+    acc = self.steps.accumulate(acc, self.lora, self.frozen, device_batch, np.int32(self.index))
+    self.lora, self.opt_state, out = self.steps.apply(self.lora, self.opt_state, acc, np.int32(self.index))
+    self.index += 1
+    return float(out["loss"])
+
+  @property
+  def recompiles(self) -> int:
+    return self.steps.recompiles

@@ -1,0 +1,577 @@
+"""jaxsft against PyTorch (transformers + peft): the same model, LoRA, batches and optimizer.
+
+    python -m benchmarks.vs_torch [--quick] [--model smollm2-shaped-4l] [--shapes 8x128 4x512]
+
+Both sides get the same base weights, the same initial LoRA factors (r 8, alpha 16 on q_proj and
+v_proj; written once as a PEFT adapter and loaded by both), the same batches (jaxsft's pipeline,
+static batching at each shape over `alpaca_en_demo.json`), and the same update: loss = Σ nll /
+Σ trained tokens, clip the global gradient norm to 1, AdamW (lr 1e-3 constant, betas 0.9/0.999,
+eps 1e-8, no weight decay).
+
+  jaxsft          `benchmarks.common.JaxsftStep`: the trainer's `make_step_fns` + `CompiledSteps`
+  torch eager     `peft.get_peft_model(AutoModelForCausalLM)` (SDPA attention), `model(..., labels=)`
+                  → backward → `clip_grad_norm_` → `torch.optim.AdamW`
+  torch.compile   the same with `torch.compile(model)`, each in its own process under a time limit
+
+Every run is a fresh subprocess (its peak RSS is the framework's memory on CPU; on a GPU the
+device's peak allocation), so runs are interleaved A B A B over `--reps` repetitions with the
+same thread count (torch.set_num_threads = cores; XLA's CPU client uses one thread per core).
+Reported: steady-state step seconds (median over the steps after the first), tokens/s (B x T and
+trained tokens), time to the first finished step (jaxsft: AOT compile + step; torch.compile:
+tracing + compile + step), peak memory, the first losses side by side, and jaxsft / PyTorch
+throughput ratios of the medians. Model weights: a random `--model` from
+`benchmarks.common.RANDOM_MODELS` is written once with jaxsft's exporter (`to_hf_state_dict`,
+`to_hf_config`, safetensors) and loaded by both; the real `smollm2-135m-instruct` is loaded by
+transformers from its GGUF (then saved as safetensors for the workers) and by jaxsft from the
+same GGUF with its own reader.
+
+`--profile` adds a breakdown of one step at each shape into parts, each timed fwd+bwd on both
+sides: the decoder layers (LoRA grads), attention alone over all layers, and the LM head + loss
+over the 49k vocabulary.
+
+Writes benchmarks/results/vs_torch{suffix}.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from benchmarks import common
+
+FRAMEWORKS = ("jaxsft", "torch_eager", "torch_compile")
+LR = 1e-3
+
+
+# --------------------------------------------------------------------------- preparation (parent)
+def prepare(workdir: pathlib.Path, *, model_name: str, shapes, steps: int, log=print) -> dict:
+  """Weights, the initial adapter and the batches, written once into `workdir`."""
+  from safetensors.numpy import save_file
+
+  from jaxsft import lora
+  from jaxsft.data import make_batches
+  from jaxsft.models import from_hf_config, init_random, to_hf_config, to_hf_state_dict
+
+  hf_dir = workdir / "hf"
+  hf_dir.mkdir(parents=True, exist_ok=True)
+  if model_name in common.RANDOM_MODELS:
+    config = common.RANDOM_MODELS[model_name]()
+    model = init_random(config, seed=0)
+    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in to_hf_state_dict(model).items()},
+              str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    (hf_dir / "config.json").write_text(json.dumps(to_hf_config(config), indent=2))
+    jax_source = str(hf_dir)
+  else:
+    config = from_hf_config(json.loads(_torch_from_gguf(model_name, hf_dir, log=log)))
+    jax_source = model_name  # jaxsft reads the GGUF itself
+  # The initial LoRA factors depend only on the shapes and the seed: make them on a random model
+  # of the same architecture and give both frameworks the same file.
+  holder = init_random(config, seed=0) if model_name not in common.RANDOM_MODELS else model
+  lora.apply_lora(holder, r=8, alpha=16, dropout=0.0, target_modules=("q_proj", "v_proj"), seed=0)
+  lora.save_adapter(holder, workdir / "adapter", base_model_name_or_path=model_name)
+
+  tokenizer = common.load_tokenizer()
+  records = common.dataset_records("alpaca_en_demo.json", limit=None)
+  for b, t in shapes:
+    it = iter(make_batches(records, tokenizer, max_length=t, batching="static", batch_size=b, seed=0, num_epochs=None))
+    batches = [next(it) for _ in range(steps)]
+    np.savez(workdir / f"batches_{b}x{t}.npz",
+             **{k: np.stack([x[k] for x in batches]) for k in ("input_ids", "attention_mask", "labels")})
+  meta = {"model": model_name, "jax_source": jax_source, "hf_dir": str(hf_dir), "adapter": str(workdir / "adapter")}
+  (workdir / "meta.json").write_text(json.dumps(meta))
+  return meta
+
+
+def _torch_from_gguf(model_name: str, hf_dir: pathlib.Path, log=print) -> str:
+  """transformers' own GGUF loader → a plain safetensors directory; returns config.json's text."""
+  import torch
+  import transformers
+
+  from jaxsft.models import resolve_model
+
+  source = resolve_model(model_name)
+  t0 = time.perf_counter()
+  gguf_model = transformers.AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file,
+                                                                 dtype=torch.float32)
+  # A GGUF-loaded model can't save_pretrained directly: rebuild it from its config first.
+  model = transformers.AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.float32)
+  model.load_state_dict(gguf_model.state_dict())
+  model.save_pretrained(hf_dir)
+  log(f"transformers loaded {source.gguf_file} and saved it as safetensors in {time.perf_counter() - t0:.0f} s")
+  return (hf_dir / "config.json").read_text()
+
+
+# --------------------------------------------------------------------------- workers (subprocesses)
+def _load_batches(workdir: pathlib.Path, shape) -> list[dict]:
+  data = np.load(workdir / f"batches_{shape[0]}x{shape[1]}.npz")
+  return [{k: data[k][i] for k in data.files} for i in range(data["input_ids"].shape[0])]
+
+
+def _memory(framework: str, device: str) -> dict:
+  out = {"peak_rss_mib": common.peak_rss_mib()}
+  if framework == "jaxsft" and device != "cpu":
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    out["device_peak_mib"] = stats.get("peak_bytes_in_use", 0) / 2**20
+  elif framework != "jaxsft" and device != "cpu":
+    import torch
+
+    out["device_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+  return out
+
+
+def jax_worker(workdir, meta, shape, steps, dtype, device) -> dict:
+  import jax
+
+  t0 = time.perf_counter()
+  model = common.load_jax_model(meta["jax_source"], dtype=dtype)
+  step = common.JaxsftStep(model, common.train_config(lr=LR), adapter_dir=meta["adapter"])
+  batches = _load_batches(workdir, shape)
+  load_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  warm = step.warm_up([tuple(shape)])
+  losses = [step.step(batches[0])]
+  first_step_s = time.perf_counter() - t0
+  times = []
+  for i in range(1, steps):
+    t = time.perf_counter()
+    losses.append(step.step(batches[i % len(batches)]))
+    times.append(time.perf_counter() - t)
+  return {"load_s": load_s, "first_step_s": first_step_s, "compile_s": warm["seconds"], "step_times": times,
+          "losses": losses, "recompiles": step.recompiles, "backend": jax.default_backend(),
+          **_memory("jaxsft", device)}
+
+
+def torch_worker(workdir, meta, shape, steps, dtype, device, threads, compile_model) -> dict:
+  import peft
+  import torch
+  import transformers
+  from safetensors.torch import load_file
+
+  torch.set_num_threads(threads)
+  torch.manual_seed(0)
+  t0 = time.perf_counter()
+  torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+  model = transformers.AutoModelForCausalLM.from_pretrained(meta["hf_dir"], dtype=torch_dtype).to(device)
+  model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                                     target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+  result = peft.set_peft_model_state_dict(model, load_file(str(pathlib.Path(meta["adapter"]) / "adapter_model.safetensors")))
+  if result.unexpected_keys:
+    raise RuntimeError(f"adapter keys peft did not expect: {result.unexpected_keys[:4]}")
+  model.train()
+  params = [p for p in model.parameters() if p.requires_grad]
+  optimizer = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+  forward = torch.compile(model) if compile_model else model
+  batches = [{k: torch.tensor(v, dtype=torch.long, device=device) for k, v in b.items()}
+             for b in _load_batches(workdir, shape)]
+  load_s = time.perf_counter() - t0
+
+  def step(batch) -> float:
+    out = forward(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return out.loss.item()  # waits for the step, like jaxsft's float(loss)
+
+  t0 = time.perf_counter()
+  losses = [step(batches[0])]
+  first_step_s = time.perf_counter() - t0
+  times = []
+  for i in range(1, steps):
+    t = time.perf_counter()
+    losses.append(step(batches[i % len(batches)]))
+    times.append(time.perf_counter() - t)
+  return {"load_s": load_s, "first_step_s": first_step_s, "step_times": times, "losses": losses,
+          "threads": torch.get_num_threads(), "torch": torch.__version__, **_memory("torch", device)}
+
+
+def _median_time(fn, sync, reps: int = 3) -> float:
+  """Median seconds of `fn()` after one untimed call (compiles, first allocations)."""
+  sync(fn())
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    sync(fn())
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+def jax_parts(workdir, meta, shape, dtype) -> dict:
+  """The step and its parts on the jaxsft side, each jitted alone (fwd+bwd unless named forward)."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from jaxsft import loss as loss_lib
+  from jaxsft import lora
+  from jaxsft.models import llama
+
+  batch = _load_batches(workdir, shape)[0]
+  parts = {}
+  step = common.JaxsftStep(common.load_jax_model(meta["jax_source"], dtype=dtype), common.train_config(lr=LR),
+                           adapter_dir=meta["adapter"])
+  step.warm_up([tuple(shape)])
+  parts["full train step"] = _median_time(lambda: step.step(batch), lambda x: x)
+  del step
+
+  model = common.load_jax_model(meta["jax_source"], dtype=dtype)
+  lora.load_adapter(model, meta["adapter"])
+  graphdef, lora_state, frozen = nnx.split(model, nnx.LoRAParam, ...)
+  cfg = model.config
+  ids, mask, labels = (jnp.asarray(batch[k]) for k in ("input_ids", "attention_mask", "labels"))
+  b, t = ids.shape
+  rng = np.random.default_rng(0)
+  ct_h = jnp.asarray(rng.standard_normal((b, t, cfg.hidden_size)), model.dtype)
+  sync = jax.block_until_ready
+
+  def decoder(lora_state):
+    return jnp.vdot(nnx.merge(graphdef, lora_state, frozen).hidden_states(ids, attention_mask=mask), ct_h)
+
+  def full_loss(lora_state):
+    return loss_lib.cross_entropy_sum(nnx.merge(graphdef, lora_state, frozen)(ids, attention_mask=mask), labels)[0]
+
+  forward, decoder_forward, decoder_backward = jax.jit(full_loss), jax.jit(decoder), jax.jit(jax.grad(decoder))
+  parts["forward only (logits + loss)"] = _median_time(lambda: forward(lora_state), sync)
+  parts["decoder layers, forward"] = _median_time(lambda: decoder_forward(lora_state), sync)
+  parts["decoder layers, fwd+bwd (LoRA grads)"] = _median_time(lambda: decoder_backward(lora_state), sync)
+
+  d, n, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+  q = jnp.asarray(rng.standard_normal((b, t, n, d)), model.dtype)
+  k, v = (jnp.asarray(rng.standard_normal((b, t, kv, d)), model.dtype) for _ in range(2))
+  mask4d = llama.attention_mask_4d(b, t, mask, None, None)
+  ct_a = jnp.asarray(rng.standard_normal((b, t, n, d)), model.dtype)
+  attn = jax.jit(jax.grad(lambda q, k, v: jnp.vdot(llama.ATTENTION[model.layers.self_attn.attention](q, k, v, mask4d, d ** -0.5), ct_a),
+                          argnums=(0, 1, 2)))
+  parts[f"attention alone x {cfg.num_layers} layers, fwd+bwd"] = cfg.num_layers * _median_time(lambda: attn(q, k, v), sync)
+
+  emb = model.output_embedding()
+  hidden = jnp.asarray(rng.standard_normal((b, t, cfg.hidden_size)), model.dtype)
+  head = jax.jit(jax.grad(lambda h: loss_lib.cross_entropy_sum(h @ emb.T, labels)[0]))
+  parts[f"LM head + loss ({cfg.vocab_size:,} vocab), fwd+bwd"] = _median_time(lambda: head(hidden), sync)
+  return parts
+
+
+def torch_parts(workdir, meta, shape, dtype, device, threads) -> dict:
+  """The same parts on the PyTorch side (eager), through transformers' own modules."""
+  import peft
+  import torch
+  import transformers
+  from safetensors.torch import load_file
+  from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+  torch.set_num_threads(threads)
+  torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+  model = transformers.AutoModelForCausalLM.from_pretrained(meta["hf_dir"], dtype=torch_dtype).to(device)
+  model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                                     target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+  peft.set_peft_model_state_dict(model, load_file(str(pathlib.Path(meta["adapter"]) / "adapter_model.safetensors")))
+  model.train()
+  params = [p for p in model.parameters() if p.requires_grad]
+  optimizer = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+  batch = {k: torch.tensor(v, dtype=torch.long, device=device) for k, v in _load_batches(workdir, shape)[0].items()}
+  sync = (lambda x: torch.cuda.synchronize()) if device != "cpu" else (lambda x: None)
+  lm = model.base_model.model  # LlamaForCausalLM with LoRA layers
+  cfg = lm.config
+  b, t = batch["input_ids"].shape
+  gen = torch.Generator().manual_seed(0)
+  randn = lambda *s: torch.randn(*s, generator=gen).to(device=device, dtype=torch_dtype)
+
+  def full_step():
+    out = model(**batch)
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return out.loss.item()
+
+  parts = {"full train step": _median_time(full_step, sync)}
+
+  def forward_only():
+    with torch.no_grad():
+      return model(**batch).loss.item()
+
+  parts["forward only (logits + loss)"] = _median_time(forward_only, sync)
+  ct_h = randn(b, t, cfg.hidden_size)
+
+  def decoder_forward():
+    with torch.no_grad():
+      return lm.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+
+  def decoder_backward():
+    h = lm.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    (h * ct_h).sum().backward()
+    optimizer.zero_grad(set_to_none=True)
+
+  parts["decoder layers, forward"] = _median_time(decoder_forward, sync)
+  parts["decoder layers, fwd+bwd (LoRA grads)"] = _median_time(decoder_backward, sync)
+
+  # Attention alone, with the mask transformers builds for this batch (captured from layer 0).
+  attn_module = lm.model.layers[0].self_attn
+  captured = {}
+
+  def capture(mod, args, kwargs):
+    captured.setdefault("mask", kwargs.get("attention_mask", args[2] if len(args) > 2 else None))
+
+  hook = attn_module.register_forward_pre_hook(capture, with_kwargs=True)
+  decoder_forward()
+  hook.remove()
+  n, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+  q = randn(b, n, t, d).requires_grad_()
+  k, v = (randn(b, kv, t, d).requires_grad_() for _ in range(2))
+  ct_a = randn(b, t, n, d)
+
+  def attention():
+    out, _ = sdpa_attention_forward(attn_module, q, k, v, captured["mask"], dropout=0.0, scaling=d ** -0.5)
+    (out * ct_a).sum().backward()
+    q.grad = k.grad = v.grad = None
+
+  parts[f"attention alone x {cfg.num_hidden_layers} layers, fwd+bwd"] = cfg.num_hidden_layers * _median_time(attention, sync)
+
+  hidden = randn(b, t, cfg.hidden_size).requires_grad_()
+
+  def head():
+    logits = lm.lm_head(hidden)
+    lm.loss_function(logits=logits, labels=batch["labels"], vocab_size=cfg.vocab_size).backward()
+    hidden.grad = None
+
+  parts[f"LM head + loss ({cfg.vocab_size:,} vocab), fwd+bwd"] = _median_time(head, sync)
+  return parts
+
+
+def profile_worker(kind, workdir, meta, shape, dtype, device, threads) -> dict:
+  if kind == "jaxsft_profile":
+    return {"parts": jax_parts(workdir, meta, shape, dtype)}
+  return {"parts": torch_parts(workdir, meta, shape, dtype, device, threads)}
+
+
+def worker_main(args) -> int:
+  workdir = pathlib.Path(args.workdir)
+  meta = json.loads((workdir / "meta.json").read_text())
+  shape = tuple(int(x) for x in args.shape.split("x"))
+  if args.worker == "jaxsft":
+    out = jax_worker(workdir, meta, shape, args.steps, args.dtype, args.device)
+  elif args.worker in ("torch_eager", "torch_compile"):
+    out = torch_worker(workdir, meta, shape, args.steps, args.dtype, args.device, args.threads,
+                       args.worker == "torch_compile")
+  elif args.worker in ("jaxsft_profile", "torch_profile"):
+    out = profile_worker(args.worker, workdir, meta, shape, args.dtype, args.device, args.threads)
+  else:
+    raise SystemExit(f"unknown worker {args.worker}")
+  print("RESULT " + json.dumps(out), flush=True)
+  return 0
+
+
+def run_worker(framework: str, workdir, shape, *, steps, dtype, device, threads, timeout, log=print) -> dict:
+  cmd = [sys.executable, "-m", "benchmarks.vs_torch", "--worker", framework, "--workdir", str(workdir),
+         "--shape", f"{shape[0]}x{shape[1]}", "--steps", str(steps), "--dtype", dtype, "--device", device,
+         "--threads", str(threads)]
+  env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(common.ROOT))
+  if device == "cpu":
+    env.setdefault("JAX_PLATFORMS", "cpu")
+  t0 = time.perf_counter()
+  try:
+    proc = subprocess.run(cmd, cwd=common.ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+  except subprocess.TimeoutExpired:
+    log(f"  {framework} {shape}: no result within the {timeout} s limit")
+    return {"status": "timeout", "limit_s": timeout}
+  wall = time.perf_counter() - t0
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+  if proc.returncode != 0 or not lines:
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
+    log(f"  {framework} {shape}: failed (exit {proc.returncode}): {' | '.join(tail)}")
+    return {"status": "failed", "returncode": proc.returncode, "error": "\n".join(tail)}
+  out = json.loads(lines[-1][len("RESULT "):])
+  out.update(status="ok", process_wall_s=wall)
+  if "step_times" in out:
+    out["step_s"] = common.median(out["step_times"])
+    log(f"  {framework:13} {shape}: step {out['step_s']:.3f}s, first step {out['first_step_s']:.1f}s, "
+        f"peak RSS {out['peak_rss_mib']:.0f} MiB, loss[0] {out['losses'][0]:.6f}")
+  return out
+
+
+# --------------------------------------------------------------------------- the comparison
+def summarize(runs: dict, shapes, trained: dict) -> dict:
+  """Medians over repetitions per (framework, shape) and the jaxsft / PyTorch ratios."""
+  out = {}
+  for b, t in shapes:
+    key = f"{b}x{t}"
+    per = {}
+    for fw in FRAMEWORKS:
+      ok = [r for r in runs.get(fw, {}).get(key, []) if r.get("status") == "ok"]
+      if not ok:
+        statuses = [r.get("status") for r in runs.get(fw, {}).get(key, [])]
+        per[fw] = {"status": statuses[0] if statuses else "not run", "runs": len(statuses)}
+        continue
+      step_s = common.median([r["step_s"] for r in ok])
+      per[fw] = {"status": "ok", "runs": len(ok), "step_s": step_s, "tokens_per_s": b * t / step_s,
+                 "trained_tokens_per_s": trained[key] / step_s,
+                 "first_step_s": common.median([r["first_step_s"] for r in ok]),
+                 "peak_rss_mib": common.median([r["peak_rss_mib"] for r in ok]),
+                 "device_peak_mib": common.median([r.get("device_peak_mib") for r in ok]),
+                 "losses": ok[0]["losses"], "all_step_s": [r["step_s"] for r in ok]}
+    jax_ok = per["jaxsft"].get("status") == "ok"
+    for fw in ("torch_eager", "torch_compile"):
+      if jax_ok and per[fw].get("status") == "ok":
+        per[f"jaxsft_over_{fw}"] = per[fw]["step_s"] / per["jaxsft"]["step_s"]
+        a, e = np.asarray(per["jaxsft"]["losses"]), np.asarray(per[fw]["losses"])
+        n = min(len(a), len(e))
+        per[f"loss_max_abs_diff_{fw}"] = float(np.abs(a[:n] - e[:n]).max())
+        per[f"loss_first_abs_diff_{fw}"] = float(abs(a[0] - e[0]))
+    out[key] = per
+  return out
+
+
+def markdown(result: dict, command: str) -> str:
+  m = result["machine"]
+  memory = "device peak allocation" if m["backend"] != "cpu" else "peak RSS of the process (interpreter and libraries included)"
+  lines = ["# jaxsft against PyTorch (transformers + peft)", "", f"`{command}`", "",
+           f"Machine: {common.machine_line(m)}; torch {result.get('torch_version', '?')} with "
+           f"{result['threads']} threads; load average at the end {'/'.join(f'{x:.1f}' for x in result['load_average_at_end'])}.", "",
+           f"Model: {common.describe_model(result['model'])}, {result['dtype']}. LoRA r 8 / alpha 16 on q_proj, v_proj "
+           "(the same initial factors on both sides); AdamW lr 1e-3, clip 1.0; the same static batches of "
+           f"`alpaca_en_demo.json` from jaxsft's pipeline. {result['reps']} interleaved repetitions (A B A B), each a "
+           f"fresh process running {result['steps']} steps; step time = median over steps 2..{result['steps']}, "
+           "then the median over repetitions.", "",
+           f"| shape | framework | step s | tokens/s (B x T) | trained tokens/s | first step s (compile incl.) | "
+           f"memory MiB ({memory}) | jaxsft speed / this |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+  for key, per in result["summary"].items():
+    for fw in FRAMEWORKS:
+      r = per[fw]
+      if r.get("status") != "ok":
+        lines.append(f"| {key} | {fw} | {r['status']} | | | | | |")
+        continue
+      mem = r["device_peak_mib"] if r.get("device_peak_mib") is not None else r["peak_rss_mib"]
+      ratio = per.get(f"jaxsft_over_{fw}")
+      lines.append(f"| {key} | {fw} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['trained_tokens_per_s']:,.0f} | "
+                   f"{r['first_step_s']:.1f} | {mem:,.0f} | {'' if ratio is None else f'{ratio:.2f}x'} |")
+  lines += ["", "jaxsft speed / this = this framework's step seconds / jaxsft's (> 1: jaxsft is faster).", "",
+            "## First losses side by side", ""]
+  for key, per in result["summary"].items():
+    if per["jaxsft"].get("status") != "ok":
+      continue
+    cols = [fw for fw in FRAMEWORKS if per[fw].get("status") == "ok"]
+    lines += [f"{key}:", "", "| step | " + " | ".join(cols) + " |", "| ---: |" + " ---: |" * len(cols)]
+    for i in range(len(per["jaxsft"]["losses"])):
+      lines.append(f"| {i + 1} | " + " | ".join(f"{per[fw]['losses'][i]:.6f}" if i < len(per[fw]["losses"]) else ""
+                                                 for fw in cols) + " |")
+    diffs = [f"{fw}: first {per[f'loss_first_abs_diff_{fw}']:.1e}, max {per[f'loss_max_abs_diff_{fw}']:.1e}"
+             for fw in ("torch_eager", "torch_compile") if f"loss_first_abs_diff_{fw}" in per]
+    lines += ["", "|jaxsft - torch| " + "; ".join(diffs), ""]
+  if result.get("profile"):
+    lines += _profile_markdown(result["profile"])
+  return "\n".join(lines) + "\n"
+
+
+def _profile_markdown(profile: dict) -> list[str]:
+  lines = ["## Where the step's time goes (each part timed alone, forward + backward, median)", "",
+           "| shape | part | jaxsft s | torch s | torch / jaxsft |", "| --- | --- | ---: | ---: | ---: |"]
+  for key, parts in profile.items():
+    for part, r in parts.items():
+      j, t = r.get("jaxsft"), r.get("torch")
+      ratio = f"{t / j:.2f}" if j and t else ""
+      lines.append(f"| {key} | {part} | {'' if j is None else f'{j:.3f}'} | {'' if t is None else f'{t:.3f}'} | {ratio} |")
+  return lines + [""]
+
+
+def run_comparison(*, model_name: str, shapes, steps: int, reps: int, dtype: str, device: str, threads: int,
+                   frameworks=FRAMEWORKS, compile_timeout: int = 600, timeout: int = 900, profile: bool = False,
+                   workdir=None, log=print) -> dict:
+  import torch
+
+  result = {"machine": common.machine_info(), "model": model_name, "dtype": dtype, "device": device,
+            "shapes": [f"{b}x{t}" for b, t in shapes], "steps": steps, "reps": reps, "threads": threads,
+            "torch_version": torch.__version__, "frameworks": list(frameworks)}
+  log(f"machine: {common.machine_line(result['machine'])}")
+  with tempfile.TemporaryDirectory(prefix="jaxsft_vs_torch_") as tmp:
+    workdir = pathlib.Path(workdir or tmp)
+    meta = prepare(workdir, model_name=model_name, shapes=shapes, steps=steps, log=log)
+    trained = {}
+    for b, t in shapes:
+      labels = np.load(workdir / f"batches_{b}x{t}.npz")["labels"][1:]
+      trained[f"{b}x{t}"] = float(np.median([(x[:, 1:] != -100).sum() for x in labels])) if len(labels) else 0.0
+    runs: dict = {fw: {} for fw in FRAMEWORKS}
+    kw = dict(steps=steps, dtype=dtype, device=device, threads=threads, log=log)
+    interleaved = [fw for fw in ("jaxsft", "torch_eager") if fw in frameworks]
+    for rep in range(reps):
+      for shape in shapes:
+        for fw in interleaved:  # A B A B
+          log(f"rep {rep + 1}/{reps} {fw} {shape}")
+          runs[fw].setdefault(f"{shape[0]}x{shape[1]}", []).append(run_worker(fw, workdir, shape, timeout=timeout, **kw))
+    if "torch_compile" in frameworks:
+      for shape in shapes:
+        log(f"torch_compile {shape} (limit {compile_timeout} s)")
+        runs["torch_compile"].setdefault(f"{shape[0]}x{shape[1]}", []).append(
+            run_worker("torch_compile", workdir, shape, timeout=compile_timeout, **kw))
+    result["runs"] = runs
+    result["summary"] = summarize(runs, shapes, trained)
+    if profile:
+      result["profile"] = {}
+      for shape in shapes:
+        key = f"{shape[0]}x{shape[1]}"
+        parts = {}
+        for fw, name in (("jaxsft_profile", "jaxsft"), ("torch_profile", "torch")):
+          out = run_worker(fw, workdir, shape, timeout=timeout, **kw)
+          for part, seconds in (out.get("parts") or {}).items():
+            parts.setdefault(part, {})[name] = seconds
+        result["profile"][key] = parts
+  result["load_average_at_end"] = list(os.getloadavg())
+  result["targets"] = {key: {"jaxsft_over_torch_eager": per.get("jaxsft_over_torch_eager"),
+                             "met_1x_eager": (per.get("jaxsft_over_torch_eager") or 0) >= 1.0}
+                       for key, per in result["summary"].items()}
+  return result
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--model", default="smollm2-shaped-4l",
+                      help=f"{sorted(common.RANDOM_MODELS)} (random weights) or {common.REAL_MODEL} (default: %(default)s)")
+  parser.add_argument("--shapes", nargs="+", default=["8x128", "4x512"], help="B x T per run (default: %(default)s)")
+  parser.add_argument("--steps", type=int, default=8, help="steps per run, the first one compiles (default: %(default)s)")
+  parser.add_argument("--reps", type=int, default=2, help="interleaved repetitions (default: %(default)s)")
+  parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  parser.add_argument("--device", default="cpu", help="cpu or cuda (torch's device; JAX uses its default backend)")
+  parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: cores)")
+  parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
+  parser.add_argument("--compile-timeout", type=int, default=600, help="seconds per torch.compile run")
+  parser.add_argument("--timeout", type=int, default=900, help="seconds per other run")
+  parser.add_argument("--profile", action="store_true", help="also time the step's parts on both sides")
+  parser.add_argument("--quick", action="store_true", help="one shape 8x128, 4 steps, 1 repetition, no torch.compile")
+  parser.add_argument("--suffix", default="", help="result file suffix, e.g. _gpu")
+  # worker mode (internal)
+  parser.add_argument("--worker", help=argparse.SUPPRESS)
+  parser.add_argument("--workdir", help=argparse.SUPPRESS)
+  parser.add_argument("--shape", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.worker:
+    return worker_main(args)
+  if args.quick:
+    args.shapes, args.steps, args.reps = args.shapes[:1], 4, 1
+    args.frameworks = [f for f in args.frameworks if f != "torch_compile"]
+  shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
+  start = time.perf_counter()
+  result = run_comparison(model_name=args.model, shapes=shapes, steps=args.steps, reps=args.reps, dtype=args.dtype,
+                          device=args.device, threads=args.threads, frameworks=args.frameworks,
+                          compile_timeout=args.compile_timeout, timeout=args.timeout, profile=args.profile,
+                          log=lambda s: print(s, flush=True))
+  result["seconds"] = time.perf_counter() - start
+  command = "python -m benchmarks.vs_torch " + " ".join(argv if argv is not None else sys.argv[1:])
+  md = markdown(result, command.strip())
+  common.write_results(f"vs_torch{args.suffix}", result, md)
+  print(md)
+  print(f"total {result['seconds']:.0f} s; wrote {common.RESULTS}/vs_torch{args.suffix}.{{json,md}}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,72 @@
+"""Smoke tests of the benchmarks' core functions on the tiny random Llama, so they don't rot.
+
+Small settings (a few records, short widths, a couple of steps); the figures themselves come
+from `python -m benchmarks.collation` and `python -m benchmarks.vs_torch`.
+"""
+
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repo root holds `benchmarks`
+
+from benchmarks import collation  # noqa: E402
+
+
+def test_collation_study_counts_composes_and_validates(tmp_path):
+  name = "oasst_top_paths.jsonl"
+  result = collation.run_study(datasets=[name], model_name="tiny", examples=16, max_length=128, batch_size=4,
+                               grid=[128], reps=1, validate=[f"{name}:static"], log=lambda s: None)
+  modes = result["datasets"][name]["modes"]
+  assert list(modes) == list(collation.MODES)
+  real = {m["real"] for m in modes.values()}
+  assert len(real) == 1, "every mode batches the same examples"
+  for mode, s in modes.items():
+    assert s["padded"] >= s["real"] >= s["trained"] > 0, mode
+    assert s["composed"]["end_to_end_s"] > s["composed"]["compile_s"] > 0, mode
+  assert modes["static"]["distinct_shapes"] == [[4, 128]]
+  assert modes["packed"]["distinct_shapes"] == [[4, 128]]
+  assert modes["bucketed K=2"]["shapes"] <= 2 and len(modes["bucketed K=2"]["buckets"]) <= 2
+  assert modes["dynamic x8"]["listed_shapes"] == 128 // 8
+  assert modes["static"]["padded"] == modes["static"]["batches"] * 4 * 128
+  # Dynamic never pads more than static; bucketed boundaries are chosen from these lengths.
+  assert modes["dynamic x8"]["padded"] <= modes["static"]["padded"]
+  (validation,) = result["validation"]
+  measured = validation["measured"]
+  assert measured["batches"] == modes["static"]["batches"] and measured["recompiles"] == 0
+  assert np.isfinite(measured["first_loss"]) and measured["first_loss"] > 0
+  assert measured["compiles"] >= 1
+  text = collation.markdown(result, "test")
+  assert "| bucketed K=2 |" in text and "| oasst_top_paths.jsonl | static |" in text and "Composed against measured" in text
+  collation.plot(result, tmp_path / "pareto.png")
+  assert (tmp_path / "pareto.png").stat().st_size > 1000
+
+
+def test_interpolation_is_linear_between_and_beyond_points():
+  assert collation._interp(96, [64, 128], [1.0, 2.0]) == pytest.approx(1.5)
+  assert collation._interp(32, [64, 128], [1.0, 2.0]) == pytest.approx(0.5)
+  assert collation._interp(256, [64, 128], [1.0, 2.0]) == pytest.approx(4.0)
+  assert collation.pow2_buckets(1024) == [32, 64, 128, 256, 512, 1024]
+  assert collation.pow2_buckets(600) == [32, 64, 128, 256, 512, 600]
+
+
+def test_vs_torch_runs_both_frameworks_on_the_same_batches():
+  pytest.importorskip("torch")
+  pytest.importorskip("peft")
+  from benchmarks import vs_torch
+
+  result = vs_torch.run_comparison(model_name="tiny", shapes=[(4, 64)], steps=3, reps=1, dtype="float32",
+                                   device="cpu", threads=2, frameworks=("jaxsft", "torch_eager"), timeout=300,
+                                   log=lambda s: None)
+  per = result["summary"]["4x64"]
+  for fw in ("jaxsft", "torch_eager"):
+    assert per[fw]["status"] == "ok", result["runs"][fw]
+    assert len(per[fw]["losses"]) == 3 and per[fw]["step_s"] > 0 and per[fw]["peak_rss_mib"] > 100
+  assert per["torch_compile"]["status"] == "not run"
+  # Same weights, adapter, batches and optimizer: float32 losses agree step by step.
+  assert per["loss_first_abs_diff_torch_eager"] < 1e-4
+  assert per["loss_max_abs_diff_torch_eager"] < 1e-3
+  assert per["jaxsft_over_torch_eager"] > 0
+  assert "| 4x64 | jaxsft |" in vs_torch.markdown(result, "test")
