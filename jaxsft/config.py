@@ -18,6 +18,10 @@ import typing
 from typing import Any
 
 
+DEFAULT_CONFIG = pathlib.Path(__file__).parent / "configs" / "default.yaml"
+"""The embedded default run, the base of the command line when no --config is given."""
+
+
 class ConfigError(ValueError):
   """A bad configuration key or value (names the key and, for YAML, the file)."""
 
@@ -312,8 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
   """`--help` documents every key (dotted, with its alias, type, default and meaning)."""
   parser = argparse.ArgumentParser(
       prog="python -m jaxsft.train",
-      description="LoRA supervised fine-tuning in JAX. With no arguments it fine-tunes SmolLM2-135M-Instruct "
-      "on jaxsft's built-in synthetic task set. Overrides: --key value, --key=value or key=value.",
+      description="LoRA supervised fine-tuning in JAX. With no arguments it runs the embedded default "
+      f"({DEFAULT_CONFIG.name}: SmolLM2-135M-Instruct on jaxsft's built-in synthetic task set); --config FILE "
+      "replaces that base. Defaults shown below are the dataclass defaults. "
+      "Overrides: --key value, --key=value or key=value.",
       formatter_class=argparse.RawDescriptionHelpFormatter,
       allow_abbrev=False,
       epilog="Example: python -m jaxsft.train --config configs/alpaca.yaml --lr 1e-4 max_steps=100",
@@ -344,8 +350,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     valid = sorted(fields()) + sorted(ALIASES)
     raise ConfigError(f"unknown option(s) {' '.join(unknown)}. Valid keys: {', '.join(valid)}")
   args = vars(ns)
-  config = load_yaml(args.pop("config")) if args.get("config") else TrainConfig()
-  args.pop("config", None)
+  config = load_yaml(args.pop("config", None) or DEFAULT_CONFIG)
   positional = args.pop("overrides", [])
   config = apply_overrides(config, args)
   pairs = {}

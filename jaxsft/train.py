@@ -510,6 +510,11 @@ def train(cfg: config_lib.TrainConfig) -> RunResult:
     if files.writer:  # LoRA params are replicated: process 0 holds all of them
       save_adapter_atomic(nnx.merge(graphdef, lora, frozen), files.adapter, cfg.model.name)
 
+  if step == 0 and val_records and cfg.eval.eval_every:
+    # The base model's held-out loss: the point every later validation is compared with.
+    meta["first_val_loss"] = meta["best_val"] = run_validation()
+    files.log({"step": 0, "val_loss": meta["first_val_loss"]})
+    log.info("validation loss before training: %.4f", meta["first_val_loss"])
   progress = _progress(total_steps, step, cfg.progress)
   last_loss = val_loss = None
   stopped_early = False
@@ -677,7 +682,8 @@ class _progress:
       self.bar.set_postfix(post, refresh=False)
       self.bar.update(1)
     else:
-      log.info("step %d loss %.4f", record["step"], record["loss"])
+      val = f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
+      log.info("step %d loss %.4f%s (%.0f tokens/s)", record["step"], record["loss"], val, record["tokens_per_s"])
 
   def close(self):
     if self.bar is not None:

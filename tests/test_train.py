@@ -60,7 +60,8 @@ def small_data(tmp_path_factory):
 
 def base_args(tiny_dir, small_data, out, *extra):
   return ["--model", tiny_dir, "--data", small_data, "--output-dir", out, "--lr", "2e-3", "data.num_buckets=2",
-          "data.batch_size=8", "--no-progress", *extra]
+          "data.batch_size=8", "data.tokens_per_batch=none", "data.max_val_examples=16",
+          "--no-progress", *extra]
 
 
 def read_metrics(run):
@@ -75,7 +76,7 @@ def test_cli_end_to_end_on_a_tiny_model(tiny_dir, small_data, tmp_path):
   assert r.returncode == 0, r.stdout + r.stderr
   train, val, lines = read_metrics(out)
   assert [l["step"] for l in train] == list(range(1, 9))
-  assert [l["step"] for l in val] == [4, 8]
+  assert [l["step"] for l in val] == [0, 4, 8]  # step 0: the base model's held-out loss
   config = lines[0]
   assert config["event"] == "config" and config["warmup_compiles"] >= len(config["batch_shapes"])
   for l in train:
