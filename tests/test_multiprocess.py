@@ -24,7 +24,8 @@ from safetensors.numpy import load_file
 from test_train import read_metrics, run_cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-COMMON = ["--lr", "2e-3", "data.bucket_lengths=[128]", "data.max_length=128", "data.batch_size=8", "--no-progress",
+COMMON = ["--lr", "2e-3", "data.bucket_lengths=[128]", "data.max_length=128", "data.batch_size=8",
+          "data.tokens_per_batch=null", "--no-progress",
           "optim.schedule=constant", "optim.warmup_steps=0", "eval.eval_every=0", "save_every=0"]
 PER_STEP = ("loss", "grad_norm", "lr", "tokens", "real_tokens", "valid_tokens")
 
@@ -51,7 +52,7 @@ def run_two_processes(args, timeout=400) -> list[str]:
   procs = []
   for pid in range(2):
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+               JAX_ENABLE_COMPILATION_CACHE="false", XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid))
     procs.append(subprocess.Popen([sys.executable, "-m", "jaxsft.train", *map(str, args)], cwd=ROOT, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -70,7 +71,9 @@ def _adapter(run):
   return load_file(str(pathlib.Path(run) / "adapter" / "adapter_model.safetensors"))
 
 
-def test_two_processes_train_resume_and_match_one_process(tiny_and_data, tmp_path):
+def test_two_processes_train_resume_and_match_one_process(tiny_and_data, tmp_path, monkeypatch):
+  # Compiles are counted from XLA's compile events; a persistent-cache hit would emit none.
+  monkeypatch.setenv("JAX_ENABLE_COMPILATION_CACHE", "false")
   model_dir, data_path = tiny_and_data
   args = lambda out, *extra: ["--model", model_dir, "--data", data_path, "--output-dir", out, *COMMON, *extra]
   one, two = tmp_path / "one", tmp_path / "two"

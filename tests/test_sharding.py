@@ -31,8 +31,9 @@ def _run_worker(name: str, *args, devices: int = 8, timeout: int = 600) -> subpr
       import test_sharding
       test_sharding.{name}(*sys.argv[1:])
   """)
+  # No persistent compilation cache: compiles are counted from XLA's events, which a cache hit skips.
   env = dict(os.environ, HF_HUB_OFFLINE="1", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-             JAX_PLATFORMS="cpu")
+             JAX_PLATFORMS="cpu", JAX_ENABLE_COMPILATION_CACHE="false")
   for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
     env.pop(key, None)
   r = subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=ROOT, env=env, capture_output=True,
@@ -158,7 +159,7 @@ def _worker_cli_mesh_errors(model_dir, data_path, out_dir, out_path):
 
   counter = train.compile_counter()
   base = ["--model", model_dir, "--data", data_path, "--output-dir", out_dir, "--no-progress",
-          "eval.generate=false"]
+          "eval.generate=false", "data.tokens_per_batch=null"]  # fixed batch sizes (not a token budget)
   cases = {"data=3": ["mesh.data=3"], "fsdp=3": ["mesh.fsdp=3"], "batch=6": ["data.batch_size=6"],
            "2x4 batch=4": ["mesh.data=2", "mesh.fsdp=4", "data.batch_size=4"]}
   out = {}
