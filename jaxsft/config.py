@@ -135,6 +135,9 @@ class TrainConfig:
   resume: bool = False
   """Continue from the latest checkpoint in output_dir."""
   seed: int = 0
+  compile_cache: str | None = "~/.cache/jaxsft/xla"
+  """Persistent XLA compilation cache: a rerun with the same shapes skips compiling (None: off;
+  the JAX_COMPILATION_CACHE_DIR environment variable wins)."""
   max_nonfinite_steps: int = 3
   """Stop after this many consecutive steps with a non-finite loss or gradient."""
   progress: bool = True

@@ -36,6 +36,9 @@ Rules, first match wins:
   1. diverging        a non-finite loss among the last 3, or >= max(3, 5% of n) non-finite
   2. too_short        n < MIN_POINTS (8)
   3. diverging        last > first + max(DIVERGE_REL_RISE * first, 3 se) (10%) and z >= 3
+  3b. diverging       validation (>= 3 points) ends >= 10% above its first value and `last`
+                      is >= 10% above the very first training loss (an early blow-up that
+                      the start median absorbs; checked after rule 4, before overfitting)
   4. near_zero_early  s < NEAR_ZERO (0.05 nats/token) by the end of the first epoch
                       (the first half of the run when the epoch length is unknown)
   5. overfitting      validation (>= 3 points): its minimum is not the last point, the last
@@ -265,6 +268,16 @@ def diagnose(train_steps: Sequence[float], train_loss: Sequence[float], *,
                    f"{int(steps[below[0]])}, within {when}", evidence)
 
   overfit = _validation_overfit(steps, s, val_steps, val_loss, evidence)
+  # Worse on both sides: held-out loss ends above its first value (the base model's, logged
+  # before step 1) and the training loss ends above its very first step. Overfitting needs the
+  # training loss to have improved; an early blow-up that the start median absorbed does not.
+  if "val_first" in evidence:
+    val_rise = (evidence["val_last"] - evidence["val_first"]) / max(abs(evidence["val_first"]), 1e-12)
+    if val_rise >= DIVERGE_REL_RISE and last > (1 + DIVERGE_REL_RISE) * float(loss[0]):
+      evidence.update(val_rise_from_first=val_rise, first_train_loss=float(loss[0]))
+      return _make("diverging", f"training made the model worse: validation {evidence['val_first']:.4g} -> "
+                   f"{evidence['val_last']:.4g}, training loss {float(loss[0]):.4g} at the first step -> "
+                   f"{last:.4g} at the end", evidence)
   if overfit:
     return _make("overfitting", overfit, evidence)
   fall = first - float(s[i_min])

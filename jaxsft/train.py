@@ -331,13 +331,14 @@ class RunFiles:
     _atomic_write_text(self.dir / name, json.dumps(obj, indent=2, default=str))
 
   def truncate_metrics(self, last_step: int):
-    """On resume: drop metric lines from steps after the checkpoint (they will be redone)."""
+    """On resume: drop metric lines from steps after the checkpoint (they will be redone) and
+    the previous run's end-of-run epoch line (the resumed run reports that epoch again)."""
     if not self.writer or not self.metrics.exists():
       return
     kept = []
     for line in self.metrics.read_text().splitlines():
       rec = json.loads(line)
-      if rec.get("event") == "config" or rec.get("step", 0) <= last_step:
+      if rec.get("event") == "config" or (rec.get("step", 0) <= last_step and not rec.get("end_of_run")):
         kept.append(line)
     _atomic_write_text(self.metrics, "".join(l + "\n" for l in kept))
 
@@ -383,6 +384,8 @@ class RunResult:
 def train(cfg: config_lib.TrainConfig) -> RunResult:
   t_start = time.time()
   sharding_lib.maybe_initialize_distributed()  # several processes: before anything touches a device
+  if cfg.compile_cache and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(cfg.compile_cache).expanduser()))
   counter = compile_counter()
   files = RunFiles(cfg.output_dir, writer=sharding_lib.is_main_process())
   if not cfg.resume and (files.checkpoints.exists() or files.metrics.exists()):
@@ -570,7 +573,9 @@ def train(cfg: config_lib.TrainConfig) -> RunResult:
         meta["nonfinite_in_row"] = 0
         # Epoch averages with the same normalization: Σ nll / Σ valid over the epoch's steps.
         if epochs_seen[-1] != meta["epoch"] and meta["epoch_valid"]:
-          files.log({"step": step - 1, "epoch": meta["epoch"], "epoch_loss": meta["epoch_nll"] / meta["epoch_valid"]})
+          # Logged with this step (the first of the new epoch): a resume that redoes this step
+          # drops the line with the step's other metrics and logs it again.
+          files.log({"step": step, "epoch": meta["epoch"], "epoch_loss": meta["epoch_nll"] / meta["epoch_valid"]})
           meta.update(epoch=epochs_seen[-1], epoch_nll=0.0, epoch_valid=0)
         meta["epoch_nll"] += loss * valid
         meta["epoch_valid"] += valid
@@ -600,8 +605,11 @@ def train(cfg: config_lib.TrainConfig) -> RunResult:
         stopped_early = True
         break
     if meta["epoch_valid"]:
-      files.log({"step": step, "epoch": meta["epoch"], "epoch_loss": meta["epoch_nll"] / meta["epoch_valid"]})
-      meta.update(epoch_nll=0.0, epoch_valid=0)
+      # The run's last (possibly unfinished) epoch. Its sums stay in the checkpoint, so a resume
+      # that continues the epoch reports its whole average; this line is then dropped (see
+      # `truncate_metrics`).
+      files.log({"step": step, "epoch": meta["epoch"], "epoch_loss": meta["epoch_nll"] / meta["epoch_valid"],
+                 "end_of_run": True})
     save_checkpoint(step, last_state)
   finally:
     batches.close()

@@ -5,6 +5,13 @@ import pathlib
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no network at test time
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One persistent XLA cache for the session's training subprocesses: runs with the same model and
+# shapes (resume tests, repeated CLI runs) compile once. Results are unchanged; compile events
+# are still counted.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import tempfile
+
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxsft-xla-cache-")
 
 import pytest
 

@@ -275,3 +275,14 @@ def test_plateau_or_still_falling():
   t = np.arange(1, 61)
   d = doctor.diagnose(t, 3.0 - 0.03 * t)  # a straight line down never plateaus
   assert d.pattern == "healthy" and not d.evidence["plateaued"]
+
+
+def test_early_blow_up_that_settles_high_is_diverging_not_overfitting():
+  """A far too high LR: the loss explodes within the first steps, then settles well above where
+  it started, and the held-out loss ends above the base model's (step 0). The start median
+  already contains the explosion, so only the first step and validation tell."""
+  rng = np.random.default_rng(0)
+  train = [3.5, 8.3, 25.8, 45.6, 62.7, 21.0, 29.7, 21.8, 12.0, 8.4] + list(9.5 + 2 * rng.standard_normal(10))
+  d = doctor.diagnose(range(1, 21), train, val_steps=[0, 5, 10, 15, 20], val_loss=[4.86, 26.3, 13.1, 10.4, 10.0])
+  assert d.pattern == "diverging", d.report()
+  assert "learning rate" in d.likely_cause

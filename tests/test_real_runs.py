@@ -1,0 +1,56 @@
+"""Short real runs of `python -m jaxsft.train` on SmolLM2-135M-Instruct, read by the doctor.
+
+Three runs on the built-in task set, small token budgets so each takes well under a minute:
+a sensible learning rate (held-out loss drops), a far too high one and a far too low one (the
+doctor must name the learning rate as the likely cause). They share the session's persistent
+XLA cache (conftest), so the second and third runs reuse the first one's compiles.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+COMMON = ["data.synthetic_size=240", "data.max_length=256", "data.num_buckets=2", "data.tokens_per_batch=384",
+          "data.max_val_examples=16", "eval.eval_every=4", "eval.generate=false", "--no-progress", "save_every=0",
+          "max_steps=12"]
+
+
+def run(out, *args):
+  env = dict(os.environ, HF_HUB_OFFLINE="1")
+  r = subprocess.run([sys.executable, "-m", "jaxsft.train", "--output-dir", str(out), *COMMON, *args],
+                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0, r.stderr[-3000:]
+  return json.loads((out / "summary.json").read_text()), r.stderr
+
+
+def doctor(out):
+  r = subprocess.run([sys.executable, "-m", "jaxsft.doctor", str(out), "--json"], cwd=ROOT, capture_output=True,
+                     text=True, timeout=120)
+  assert r.returncode == 0, r.stderr
+  return json.loads(r.stdout)
+
+
+def test_sensible_lr_lowers_held_out_loss(tmp_path):
+  summary, log = run(tmp_path / "ok", "--lr", "1e-3")
+  assert summary["steps"] == 12 and summary["recompiles"] == 0
+  assert summary["val_loss"] < 0.8 * summary["first_val_loss"], summary
+  assert "validation loss before training" in log
+  assert (tmp_path / "ok" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_doctor_on_far_too_high_and_far_too_low_learning_rates(tmp_path):
+  _, _ = run(tmp_path / "high", "--lr", "0.3", "optim.warmup_steps=0")
+  high = doctor(tmp_path / "high")
+  assert high["pattern"] in ("diverging", "oscillating"), high  # both: "learning rate too high"
+  assert "learning rate" in high["likely_cause"].lower(), high
+  _, _ = run(tmp_path / "low", "--lr", "1e-7", "optim.warmup_steps=0")
+  low = doctor(tmp_path / "low")
+  assert low["pattern"] == "flat", low
+  assert "learning rate too low" in low["likely_cause"].lower(), low
