@@ -156,14 +156,15 @@ def grad_rel_err(actual, expected) -> float:
 
 # On the real 30-layer model the float32 LoRA gradients are ~7.6e-6 (norm-wise) from a float64
 # computation of the same step, so reordering the float32 reductions (a longer contraction over
-# B*T and over keys, padded with exact zeros) moves them by ~1.0-1.1e-6: measured 1.0e-6 and
-# 1.09e-6 for 3x128 vs 4x192 (loss bit-identical; 1.2e-7 with the model in float64). That is the
-# float32 noise floor, not a padding leak: the tolerance stays 1e-6, and there only that
-# comparison is an expected failure when it exceeds it.
-FLOAT32_FLOOR = "real model: float32 reduction-order noise on 30 layers (see comment above)"
+# B*T and over keys, padded with exact zeros) moves them by ~1.0-1.8e-6: measured 1.0e-6 and
+# 1.09e-6 for 3x128 vs 4x192, 1.78e-6 for 8 micro-batches vs one batch (loss bit-identical or
+# within 1e-7; 1.2e-7 with the model in float64). That is the float32 noise floor, not a padding
+# leak, so on the real model the gradient bound is REAL_MODEL_GRAD_TOL (5e-6, below the 7.6e-6
+# float32-vs-float64 distance); the tiny models keep 1e-6. A real leak moves them far more
+# (`test_attention_mask_hides_pads_that_a_causal_mask_would_show`).
+REAL_MODEL_GRAD_TOL = 5e-6
 
 
-def within_or_float32_floor(which, err, tol=1e-6):
-  if which == "smollm2" and err > tol:
-    pytest.xfail(f"{FLOAT32_FLOOR}: {err:.2e} > {tol}")
-  assert err <= tol
+def within_float32_floor(which, err, tol=1e-6):
+  """err ≤ tol, or ≤ REAL_MODEL_GRAD_TOL on the real model (see the comment above)."""
+  assert err <= (REAL_MODEL_GRAD_TOL if which == "smollm2" else tol), (which, err)
