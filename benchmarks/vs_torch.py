@@ -15,7 +15,12 @@ eps 1e-8, no weight decay).
 
 Every run is a fresh subprocess (its peak RSS is the framework's memory on CPU; on a GPU the
 device's peak allocation), so runs are interleaved A B A B over `--reps` repetitions with the
-same thread count (torch.set_num_threads = cores; XLA's CPU client uses one thread per core).
+same thread count (torch.set_num_threads = cores; XLA's CPU client uses one thread per core of
+the process's affinity mask; `--threads 1` pins both to one core). On a shared machine, look at
+the load average recorded with every run: with other jobs on the cores, torch's OpenMP threads
+wait on each other at every parallel region (measured here: a 4-layer step at 8x128 took 6.8 s
+with 2 threads but 2.4 s with 1 while another process kept one core busy); XLA's thread pool
+degrades far less, so a loaded machine flatters jaxsft.
 Reported: steady-state step seconds (median over the steps after the first), tokens/s (B x T and
 trained tokens), time to the first finished step (jaxsft: AOT compile + step; torch.compile:
 tracing + compile + step), peak memory, the first losses side by side, and jaxsft / PyTorch
@@ -372,15 +377,19 @@ def worker_main(args) -> int:
 
 
 def run_worker(framework: str, workdir, shape, *, steps, dtype, device, threads, timeout, log=print) -> dict:
+  """One run in a fresh process; with `threads` < cores the process is pinned to the first `threads`
+  cores (XLA sizes its thread pool by the affinity mask, torch by set_num_threads)."""
+  pin = threads < (os.cpu_count() or 1) and hasattr(os, "sched_setaffinity")
   cmd = [sys.executable, "-m", "benchmarks.vs_torch", "--worker", framework, "--workdir", str(workdir),
          "--shape", f"{shape[0]}x{shape[1]}", "--steps", str(steps), "--dtype", dtype, "--device", device,
          "--threads", str(threads)]
   env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(common.ROOT))
   if device == "cpu":
     env.setdefault("JAX_PLATFORMS", "cpu")
-  t0 = time.perf_counter()
+  t0, load = time.perf_counter(), os.getloadavg()[0]
   try:
-    proc = subprocess.run(cmd, cwd=common.ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=common.ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=(lambda: os.sched_setaffinity(0, set(range(threads)))) if pin else None)
   except subprocess.TimeoutExpired:
     log(f"  {framework} {shape}: no result within the {timeout} s limit")
     return {"status": "timeout", "limit_s": timeout}
@@ -391,7 +400,7 @@ def run_worker(framework: str, workdir, shape, *, steps, dtype, device, threads,
     log(f"  {framework} {shape}: failed (exit {proc.returncode}): {' | '.join(tail)}")
     return {"status": "failed", "returncode": proc.returncode, "error": "\n".join(tail)}
   out = json.loads(lines[-1][len("RESULT "):])
-  out.update(status="ok", process_wall_s=wall)
+  out.update(status="ok", process_wall_s=wall, load_average_at_start=load)
   if "step_times" in out:
     out["step_s"] = common.median(out["step_times"])
     log(f"  {framework:13} {shape}: step {out['step_s']:.3f}s, first step {out['first_step_s']:.1f}s, "
@@ -477,6 +486,11 @@ def _profile_markdown(profile: dict) -> list[str]:
   lines = ["## Where the step's time goes (each part timed alone, forward + backward, median)", "",
            "| shape | part | jaxsft s | torch s | torch / jaxsft |", "| --- | --- | ---: | ---: | ---: |"]
   for key, parts in profile.items():
+    fwd, both = parts.get("decoder layers, forward", {}), parts.get("decoder layers, fwd+bwd (LoRA grads)", {})
+    if fwd and both:  # the backward through the frozen weights (+ the tiny LoRA grads)
+      parts = dict(parts)
+      parts["decoder layers, backward alone (fwd+bwd - fwd)"] = {
+          k: both[k] - fwd[k] for k in ("jaxsft", "torch") if k in fwd and k in both}
     for part, r in parts.items():
       j, t = r.get("jaxsft"), r.get("torch")
       ratio = f"{t / j:.2f}" if j and t else ""
@@ -541,7 +555,8 @@ def main(argv=None) -> int:
   parser.add_argument("--reps", type=int, default=2, help="interleaved repetitions (default: %(default)s)")
   parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   parser.add_argument("--device", default="cpu", help="cpu or cuda (torch's device; JAX uses its default backend)")
-  parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: cores)")
+  parser.add_argument("--threads", type=int, default=os.cpu_count(),
+                      help="threads per framework (default: all cores); fewer pins each run to that many cores")
   parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
   parser.add_argument("--compile-timeout", type=int, default=600, help="seconds per torch.compile run")
   parser.add_argument("--timeout", type=int, default=900, help="seconds per other run")
