@@ -96,27 +96,34 @@ def stop_token_ids(tokenizer, model) -> list[int]:
 
 
 def generate(model, tokenizer, prompts: Sequence[Sequence[dict]], *, max_new_tokens: int = 32,
-             batch_size: int = 32, prompt_multiple: int = 64) -> list[str]:
-  """Greedy replies (text, special tokens removed) to chat prompts (lists of messages)."""
+             batch_size: int = 8, prompt_multiple: int = 128) -> list[str]:
+  """Greedy replies (text, special tokens removed) to chat prompts (lists of messages).
+
+  Prompts are sorted by length and decoded `batch_size` at a time, each chunk left-padded to a
+  multiple of `prompt_multiple`: one long prompt costs its own chunk, not every row's padding.
+  """
   from jaxsft.data.tokenize import _render  # the same template path the training data uses
 
   graphdef, state = nnx.split(model)
-  stops = jnp.asarray(stop_token_ids(tokenizer, model), jnp.int32)
-  pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(stops[0])
+  stop_list = stop_token_ids(tokenizer, model)
+  stops = jnp.asarray(stop_list, jnp.int32)
+  pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_list[0]
   encoded = [tokenizer(_render(tokenizer, list(m), generation_prompt=True), add_special_tokens=False)["input_ids"]
              for m in prompts]
-  replies: list[str] = []
-  for start in range(0, len(encoded), batch_size):
-    chunk = encoded[start:start + batch_size]
-    rows = -(-len(chunk) // 8) * 8  # few distinct shapes: rows and prompt length rounded up
-    p = -(-max(len(e) for e in chunk) // prompt_multiple) * prompt_multiple
-    ids = np.full((rows, p), pad, np.int32)
-    mask = np.zeros((rows, p), np.int32)
-    for i, e in enumerate(chunk):
-      ids[i, p - len(e):], mask[i, p - len(e):] = e, 1
+  order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+  replies: list[str] = [""] * len(encoded)
+  for start in range(0, len(order), batch_size):
+    chunk = order[start:start + batch_size]
+    p = -(-max(len(encoded[i]) for i in chunk) // prompt_multiple) * prompt_multiple
+    ids = np.full((batch_size, p), pad, np.int32)
+    mask = np.zeros((batch_size, p), np.int32)
+    for row, i in enumerate(chunk):
+      e = encoded[i]
+      ids[row, p - len(e):], mask[row, p - len(e):] = e, 1
     mask[len(chunk):, -1] = 1  # filler rows: one visible token, so no row attends to nothing
     out = np.asarray(_greedy(graphdef, state, ids, mask, stops, max_new_tokens))
-    for row in out[: len(chunk)]:
-      stop_at = next((j for j, t in enumerate(row) if t in set(np.asarray(stops).tolist())), len(row))
-      replies.append(tokenizer.decode(row[:stop_at].tolist(), skip_special_tokens=True))
+    for row, i in enumerate(chunk):
+      tokens = out[row].tolist()
+      stop_at = next((j for j, t in enumerate(tokens) if t in stop_list), len(tokens))
+      replies[i] = tokenizer.decode(tokens[:stop_at], skip_special_tokens=True)
   return replies
