@@ -51,12 +51,14 @@ def score_reply(record: dict, generated: str) -> bool:
 
 
 def task_score(records: Sequence[dict], generations: Sequence[str]) -> dict[str, Any]:
+  """{"score", "n"}; for jaxsft's generated tasks also the answer-format rate and per-task scores."""
+  if records and all("answer" in r and "task" in r for r in records):
+    from jaxsft.data import synthetic
+
+    out = synthetic.task_score(records, generations)
+    return {"score": out["accuracy"], **out}
   hits = [score_reply(r, g) for r, g in zip(records, generations)]
-  out: dict[str, Any] = {"score": float(np.mean(hits)) if hits else 0.0, "n": len(hits)}
-  tasks = sorted({r.get("task") for r in records if r.get("task")})
-  if tasks:
-    out["per_task"] = {t: float(np.mean([h for r, h in zip(records, hits) if r.get("task") == t])) for t in tasks}
-  return out
+  return {"score": float(np.mean(hits)) if hits else 0.0, "n": len(hits)}
 
 
 def base_of(model):
@@ -87,6 +89,9 @@ def compare_base_and_tuned(model, tokenizer, records: Sequence[dict], cfg) -> di
 def format_comparison(out: dict) -> str:
   lines = [f"task score on {out['tuned']['n']} held-out prompts: base {out['base']['score']:.3f}, "
            f"tuned {out['tuned']['score']:.3f}"]
+  if "format_rate" in out["tuned"]:
+    lines.append(f"answers in the task's format: base {out['base']['format_rate']:.3f}, "
+                 f"tuned {out['tuned']['format_rate']:.3f}")
   for s in out["samples"]:
     lines.append(f"  prompt:    {s['prompt'][:100]!r}\n  reference: {s['reference'][:80]!r}\n"
                  f"  base:      {s['base'][:80]!r}\n  tuned:     {s['tuned'][:80]!r}")

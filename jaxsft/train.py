@@ -654,6 +654,9 @@ def _finish(cfg, files: RunFiles, result: RunResult, model, tokenizer, val_recor
   if result.evaluation:
     summary["task_score_base"] = result.evaluation["base"]["score"]
     summary["task_score_tuned"] = result.evaluation["tuned"]["score"]
+    if "format_rate" in result.evaluation["tuned"]:
+      summary["format_rate_base"] = result.evaluation["base"]["format_rate"]
+      summary["format_rate_tuned"] = result.evaluation["tuned"]["format_rate"]
   files.write_json("summary.json", summary)
   print(_summary_text(files, summary, result), file=sys.stderr)
 
@@ -666,6 +669,8 @@ def _summary_text(files, summary, result) -> str:
            f"data: {summary['data']}"]
   if "task_score_base" in summary:
     lines.append(f"task score: base {summary['task_score_base']:.3f} → tuned {summary['task_score_tuned']:.3f}")
+    if "format_rate_tuned" in summary:
+      lines.append(f"answer format: base {summary['format_rate_base']:.3f} → tuned {summary['format_rate_tuned']:.3f}")
   lines.append(result.diagnosis.report())
   lines.append(f"adapter (PEFT format): {files.adapter}   curve: {files.dir / 'loss_curve.png'}   "
                f"wall time {summary['seconds']}s")
