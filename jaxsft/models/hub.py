@@ -85,7 +85,7 @@ def load_tokenizer(source: ModelSource | str):
   cached = source.cache_dir / "tokenizer"
   if (cached / "tokenizer_config.json").is_file():
     return AutoTokenizer.from_pretrained(str(cached))
-  tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+  tokenizer = tokenizer_from_gguf(os.path.join(source.path, source.gguf_file))
   tmp = cached.with_name(f"tokenizer.tmp{os.getpid()}")
   tokenizer.save_pretrained(str(tmp))
   cached.parent.mkdir(parents=True, exist_ok=True)
@@ -96,3 +96,37 @@ def load_tokenizer(source: ModelSource | str):
 
     shutil.rmtree(tmp, ignore_errors=True)
   return AutoTokenizer.from_pretrained(str(cached))
+
+
+def _gguf_metadata(path: str) -> dict:
+  """Every GGUF key-value pair (arrays as lists), read with the `gguf` package."""
+  from gguf import GGUFReader
+
+  reader = GGUFReader(path)
+  return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+
+
+def tokenizer_from_gguf(path: str):
+  """The fast tokenizer a GGUF file describes, built without torch.
+
+  `AutoTokenizer.from_pretrained(dir, gguf_file=...)` reads the file through transformers' GGUF
+  reader, which imports torch. This reads the same metadata with the `gguf` package and hands it
+  to transformers' own (torch-free) converter, so the result is the tokenizer transformers builds
+  (same vocabulary, merges, special tokens and chat template).
+  """
+  from transformers import PreTrainedTokenizerFast
+  from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping
+
+  metadata = _gguf_metadata(path)
+  groups = {
+      group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in metadata}
+      for group, renames in mapping.GGUF_TOKENIZER_MAPPING.items()
+  }
+  tokenizer_dict, tokenizer_config = groups["tokenizer"], groups["tokenizer_config"]
+  if tokenizer_dict.get("tokenizer_type") == "llama":
+    tokenizer_config.setdefault("add_bos_token", True)  # as transformers does for sentencepiece files
+  for name, key in mapping._SPECIAL_TOKENS.items():
+    token_id = metadata.get(f"tokenizer.ggml.{key}")
+    tokenizer_config[name] = tokenizer_dict["tokens"][token_id] if token_id is not None else None
+  backend, extra = mapping.convert_gguf_tokenizer(metadata["general.architecture"], tokenizer_dict)
+  return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)

@@ -1,0 +1,43 @@
+"""The runtime needs no torch: the real model and its tokenizer load from the GGUF, with every
+cache empty, in an interpreter where torch cannot be found (transformers' own GGUF reader
+imports torch, so this path must not go through it)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from test_train import ROOT
+
+SCRIPT = textwrap.dedent("""
+    import importlib.util, sys
+    _find = importlib.util.find_spec
+    importlib.util.find_spec = lambda name, package=None: (
+        None if name == "torch" or name.startswith("torch.") else _find(name, package))
+    class _NoTorch:
+      def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+          raise ModuleNotFoundError("torch is hidden in this test")
+    sys.meta_path.insert(0, _NoTorch())
+    import jax, jax.numpy as jnp
+    from jaxsft import models
+    model, tok = models.load_model("smollm2-135m-instruct")
+    ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    ids = tok(ids, add_special_tokens=False)["input_ids"]
+    logits = jax.jit(lambda m, x: m(x))(model, jnp.asarray([ids], jnp.int32))
+    assert tok.pad_token_id == tok.eos_token_id == 2 and tok.bos_token_id == 1
+    assert bool(jnp.isfinite(logits).all()) and logits.shape[-1] == 49152
+    assert "torch" not in sys.modules
+    print("OK", len(ids))
+""")
+
+
+@pytest.mark.slow
+def test_real_model_and_tokenizer_load_without_torch_from_an_empty_cache(tmp_path):
+  env = dict(os.environ, HF_HUB_OFFLINE="1", JAXSFT_CACHE=str(tmp_path / "cache"))
+  r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert r.stdout.startswith("OK")
+  assert (tmp_path / "cache").is_dir() and any((tmp_path / "cache").rglob("tokenizer_config.json"))
