@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import tempfile
 
 import numpy as np
 
@@ -75,15 +74,6 @@ def plot_loss_curve(run_dir_or_metrics, out_png: str | os.PathLike | None = None
   ax.legend(loc="upper right")
   fig.tight_layout()
 
-  out_png.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix=f".{out_png.name}.", suffix=".tmp", dir=out_png.parent)
-  try:
-    with os.fdopen(fd, "wb") as f:
-      fig.savefig(f, format="png")
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, out_png)
-  except BaseException:
-    pathlib.Path(tmp).unlink(missing_ok=True)
-    raise
-  return out_png
+  from jaxsft.fileio import atomic_write
+
+  return atomic_write(out_png, lambda f: fig.savefig(f, format="png"), binary=True)

@@ -23,7 +23,7 @@ import shutil
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +37,7 @@ from jaxsft import loss as loss_lib
 from jaxsft import lora as lora_lib
 from jaxsft import models
 from jaxsft import sharding as sharding_lib
+from jaxsft.fileio import atomic_write
 
 log = logging.getLogger("jaxsft.train")
 
@@ -350,9 +351,7 @@ class RunFiles:
 
 
 def _atomic_write_text(path: pathlib.Path, text: str):
-  tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-  tmp.write_text(text)
-  os.replace(tmp, path)
+  atomic_write(path, lambda f: f.write(text))
 
 
 def save_adapter_atomic(model, target: pathlib.Path, base_name: str):

@@ -38,7 +38,6 @@ import collections
 import copy
 import dataclasses
 import math
-import os
 import weakref
 from typing import Any, Sequence
 

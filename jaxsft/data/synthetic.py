@@ -35,7 +35,6 @@ import json
 import os
 import pathlib
 import re
-import tempfile
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -193,17 +192,10 @@ def task_score(records: Sequence[Mapping[str, Any]], generations: Sequence[str])
 
 def write_jsonl(records: Iterable[Mapping[str, Any]], path: str | os.PathLike) -> pathlib.Path:
   """Write one JSON object per line, atomically (a temp file in the same folder, then rename)."""
-  path = pathlib.Path(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-  try:
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-      for record in records:
-        f.write(json.dumps(record, ensure_ascii=False) + "\n")
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    pathlib.Path(tmp).unlink(missing_ok=True)
-    raise
-  return path
+  from jaxsft.fileio import atomic_write
+
+  def write(f):
+    for record in records:
+      f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+  return atomic_write(path, write)
