@@ -23,15 +23,17 @@ study gets (the static mode alone is 256 x 1024 tokens per file), so the default
 step's two costs per shape and composes each mode's end-to-end time from them:
 
   end_to_end(mode) = pipeline seconds + compile(zeros, apply)
-                     + sum over the mode's distinct shapes (B, T) of compile_seconds(B, T)
+                     + sum over the shapes (B, T) it compiles of compile_seconds(B, T)
                      + sum over its batches of step_seconds(B, T)
 
 compile_seconds and step_seconds are measured at B = batch size and T on a grid (32, 64, ...,
 max_length; a fresh AOT compile each, the median of `--reps` steps), and interpolated linearly in T
 between grid points (a step's cost depends only on its shape, not on the token values). Packed rows
-(segment ids) are measured separately at (B, max_length). `--validate DATASET:MODE ...` runs modes
-for real as the trainer would (fresh compiles of the shapes it emits, then every batch) and puts the
-measured time beside the composed one. Steady-state tokens/s = tokens / sum of step seconds
+(segment ids) are measured separately at (B, max_length). A mode compiles what jaxsft's trainer
+compiles before step 1, every shape `batch_shapes` lists, except dynamic, which is charged only for
+the widths that occur (listing every multiple of 8 up to max_length would be absurd).
+`--validate DATASET:MODE ...` runs modes for real as the trainer would (fresh compiles, then every
+batch) and puts the measured time beside the composed one. Steady-state tokens/s = tokens / sum of step seconds
 (compiles excluded); "real" counts attention_mask tokens, "trained" counts labels != -100.
 
 Writes benchmarks/results/collation{suffix}.json, .md and .png (waste % against shapes: the
@@ -92,10 +94,13 @@ def count_mode(records, tokenizer, mode: str, *, max_length: int, batch_size: in
   pipeline_s = time.perf_counter() - start
   listed = batch_shapes(records, tokenizer, **config)
   distinct = sorted(set(shapes))
+  # What a run compiles: every listed shape (as jaxsft's trainer does before step 1), except for
+  # dynamic, where compiling all max_length / 8 widths would be absurd: only the widths that occur.
+  compiled = distinct if config["batching"] == "dynamic" else sorted(set(distinct) | set(listed))
   summary = {
       "batches": stats.batches, "fill_rows": stats.fill_rows, "padded": stats.padded_tokens,
       "real": stats.real_tokens, "trained": stats.label_tokens, "waste_pct": 100 * stats.waste_frac,
-      "shapes": len(distinct), "listed_shapes": len(listed), "distinct_shapes": distinct,
+      "shapes": len(distinct), "listed_shapes": len(listed), "distinct_shapes": distinct, "compiled_shapes": compiled,
       "truncated": stats.truncated, "dropped": stats.dropped, "pipeline_s": pipeline_s,
   }
   if config["batching"] == "bucketed":
@@ -172,10 +177,10 @@ def shape_cost(calibration: dict, shape, *, packed: bool, batch_size: int) -> tu
 def compose(summary: dict, shapes, calibration: dict, *, packed: bool, batch_size: int) -> dict:
   """A mode's costs from its shapes and batches (see the module docstring)."""
   compile_s = sum(shape_cost(calibration, s, packed=packed, batch_size=batch_size)[0]
-                  for s in summary["distinct_shapes"])
+                  for s in summary["compiled_shapes"])
   step_s = sum(shape_cost(calibration, s, packed=packed, batch_size=batch_size)[1] for s in shapes)
   return {
-      "compiles": calibration["fixed_compiles"] + summary["shapes"],
+      "compiles": calibration["fixed_compiles"] + len(summary["compiled_shapes"]),
       "compile_s": calibration["fixed_compile_s"] + compile_s,
       "step_s": step_s,
       "padded_tokens_per_s": summary["padded"] / step_s,
@@ -196,7 +201,7 @@ def measure(model, cfg, records, tokenizer, mode: str, *, max_length: int, batch
   step = common.JaxsftStep(model, cfg)
   batches = list(make_batches(records, tokenizer, seed=seed, num_epochs=1, **config))
   shapes = sorted({tuple(b["input_ids"].shape) for b in batches})
-  if config["batching"] != "dynamic":
+  if config["batching"] != "dynamic":  # as count_mode's compiled_shapes
     shapes = sorted(set(shapes) | set(batch_shapes(records, tokenizer, **config)))
   warm = step.warm_up(shapes, packed=config["batching"] == "packed")
   t_steps = time.perf_counter()
@@ -253,6 +258,7 @@ def run_study(*, datasets, model_name: str, examples: int, max_length: int, batc
     del per["shapes_of"]
     for summary in per["modes"].values():
       summary["distinct_shapes"] = [list(s) for s in summary["distinct_shapes"]]
+      summary["compiled_shapes"] = [list(s) for s in summary["compiled_shapes"]]
 
   result["validation"] = []
   for item in validate:
@@ -301,8 +307,10 @@ def markdown(result: dict, command: str) -> str:
       "permutation of each file (all of them when fewer). Timed step: jaxsft's train step (`make_step_fns` + "
       f"`CompiledSteps`: LoRA r 8 on q/v, clip + AdamW) on {result['model_description']}, {result['dtype']}, "
       f"{result['machine']['backend']}.", "",
-      "Columns: *shapes* = distinct (B, T) the epoch emits = compiles of the train step (jaxsft's trainer compiles "
-      "every *listed* shape up front; for dynamic that is every multiple of 8 up to max_length); *waste* = "
+      "Columns: *shapes* = distinct (B, T) the epoch emits, and in brackets the shapes `batch_shapes` lists "
+      "(jaxsft's trainer compiles every listed shape before step 1; for dynamic that would be every multiple of 8 up "
+      "to max_length, so dynamic is charged only for the widths that occur); *compiles* = the shapes compiled + 2 "
+      "(the accumulator's zeros and the optimizer update); *waste* = "
       "padding tokens / padded tokens (B x T summed, fill rows included); *tok/s* = real (attention-mask) and "
       "trained (label) tokens per second of step time, compiles excluded; *end to end* = pipeline + compiles "
       "+ steps for the epoch, composed from the per-shape costs below (see `benchmarks/collation.py`).", "",

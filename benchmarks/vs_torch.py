@@ -146,12 +146,14 @@ def jax_worker(workdir, meta, shape, steps, dtype, device) -> dict:
   warm = step.warm_up([tuple(shape)])
   losses = [step.step(batches[0])]
   first_step_s = time.perf_counter() - t0
-  times = []
+  times, cpu_times = [], []
   for i in range(1, steps):
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     losses.append(step.step(batches[i % len(batches)]))
     times.append(time.perf_counter() - t)
+    cpu_times.append(time.process_time() - c)
   return {"load_s": load_s, "first_step_s": first_step_s, "compile_s": warm["seconds"], "step_times": times,
+          "step_cpu_times": cpu_times,
           "losses": losses, "recompiles": step.recompiles, "backend": jax.default_backend(),
           **_memory("jaxsft", device)}
 
@@ -191,17 +193,23 @@ def torch_worker(workdir, meta, shape, steps, dtype, device, threads, compile_mo
   t0 = time.perf_counter()
   losses = [step(batches[0])]
   first_step_s = time.perf_counter() - t0
-  times = []
+  times, cpu_times = [], []
   for i in range(1, steps):
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     losses.append(step(batches[i % len(batches)]))
     times.append(time.perf_counter() - t)
-  return {"load_s": load_s, "first_step_s": first_step_s, "step_times": times, "losses": losses,
+    cpu_times.append(time.process_time() - c)
+  return {"load_s": load_s, "first_step_s": first_step_s, "step_times": times, "step_cpu_times": cpu_times,
+          "losses": losses,
           "threads": torch.get_num_threads(), "torch": torch.__version__, **_memory("torch", device)}
 
 
-def _median_time(fn, sync, reps: int = 3) -> float:
+PROFILE_REPS = int(os.environ.get("JAXSFT_PROFILE_REPS", "3"))
+
+
+def _median_time(fn, sync, reps: int | None = None) -> float:
   """Median seconds of `fn()` after one untimed call (compiles, first allocations)."""
+  reps = reps or PROFILE_REPS
   sync(fn())
   times = []
   for _ in range(reps):
@@ -403,7 +411,9 @@ def run_worker(framework: str, workdir, shape, *, steps, dtype, device, threads,
   out.update(status="ok", process_wall_s=wall, load_average_at_start=load)
   if "step_times" in out:
     out["step_s"] = common.median(out["step_times"])
-    log(f"  {framework:13} {shape}: step {out['step_s']:.3f}s, first step {out['first_step_s']:.1f}s, "
+    out["step_cpu_s"] = common.median(out["step_cpu_times"])
+    log(f"  {framework:13} {shape}: step {out['step_s']:.3f}s (CPU {out['step_cpu_s']:.3f}s, load {load:.1f}), "
+        f"first step {out['first_step_s']:.1f}s, "
         f"peak RSS {out['peak_rss_mib']:.0f} MiB, loss[0] {out['losses'][0]:.6f}")
   return out
 
@@ -423,6 +433,8 @@ def summarize(runs: dict, shapes, trained: dict) -> dict:
         continue
       step_s = common.median([r["step_s"] for r in ok])
       per[fw] = {"status": "ok", "runs": len(ok), "step_s": step_s, "tokens_per_s": b * t / step_s,
+                 "step_cpu_s": common.median([r["step_cpu_s"] for r in ok]),
+                 "load_average_at_start": [round(r["load_average_at_start"], 2) for r in ok],
                  "trained_tokens_per_s": trained[key] / step_s,
                  "first_step_s": common.median([r["first_step_s"] for r in ok]),
                  "peak_rss_mib": common.median([r["peak_rss_mib"] for r in ok]),
@@ -432,6 +444,7 @@ def summarize(runs: dict, shapes, trained: dict) -> dict:
     for fw in ("torch_eager", "torch_compile"):
       if jax_ok and per[fw].get("status") == "ok":
         per[f"jaxsft_over_{fw}"] = per[fw]["step_s"] / per["jaxsft"]["step_s"]
+        per[f"jaxsft_over_{fw}_cpu_time"] = per[fw]["step_cpu_s"] / per["jaxsft"]["step_cpu_s"]
         a, e = np.asarray(per["jaxsft"]["losses"]), np.asarray(per[fw]["losses"])
         n = min(len(a), len(e))
         per[f"loss_max_abs_diff_{fw}"] = float(np.abs(a[:n] - e[:n]).max())
@@ -452,19 +465,23 @@ def markdown(result: dict, command: str) -> str:
            f"fresh process running {result['steps']} steps; step time = median over steps 2..{result['steps']}, "
            "then the median over repetitions.", "",
            f"| shape | framework | step s | tokens/s (B x T) | trained tokens/s | first step s (compile incl.) | "
-           f"memory MiB ({memory}) | jaxsft speed / this |",
-           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           f"memory MiB ({memory}) | jaxsft speed / this | CPU s per step | load at start |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
   for key, per in result["summary"].items():
     for fw in FRAMEWORKS:
       r = per[fw]
       if r.get("status") != "ok":
-        lines.append(f"| {key} | {fw} | {r['status']} | | | | | |")
+        lines.append(f"| {key} | {fw} | {r['status']} | | | | | | | |")
         continue
       mem = r["device_peak_mib"] if r.get("device_peak_mib") is not None else r["peak_rss_mib"]
       ratio = per.get(f"jaxsft_over_{fw}")
       lines.append(f"| {key} | {fw} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['trained_tokens_per_s']:,.0f} | "
-                   f"{r['first_step_s']:.1f} | {mem:,.0f} | {'' if ratio is None else f'{ratio:.2f}x'} |")
-  lines += ["", "jaxsft speed / this = this framework's step seconds / jaxsft's (> 1: jaxsft is faster).", "",
+                   f"{r['first_step_s']:.1f} | {mem:,.0f} | {'' if ratio is None else f'{ratio:.2f}x'} | "
+                   f"{r['step_cpu_s']:.3f} | {', '.join(f'{x:.1f}' for x in r['load_average_at_start'])} |")
+  lines += ["", "jaxsft speed / this = this framework's step seconds / jaxsft's (> 1: jaxsft is faster). CPU s per "
+            "step = the process's user + system time (all its threads; includes OpenMP spin-waiting); load at start "
+            "= 1-minute load average when each repetition started (this benchmark's own run adds about its thread "
+            "count).", "",
             "## First losses side by side", ""]
   for key, per in result["summary"].items():
     if per["jaxsft"].get("status") != "ok":
