@@ -31,3 +31,16 @@ def test_cached_generation_matches_full_recompute(tokenizer):
   want = [naive_greedy(model, tokenizer, p, 6) for p in prompts]
   assert got == want
   assert len(set(got)) == 3 and all(got)
+
+
+def test_cached_generation_honours_the_sliding_window(tokenizer):
+  # Prompts (chat template included) are several windows long: a cache that ignored the
+  # window would attend to keys the full forward cannot see and pick other tokens.
+  config = dataclasses.replace(TINY, model_type="mistral", sliding_window=8, tie_word_embeddings=False)
+  model = models.init_random(config, seed=3)
+  # The topic comes last: with 2 layers of window 8 only the last ~14 prompt tokens matter.
+  prompts = [[{"role": "user", "content": f"In two or three sentences, please tell me about {topic}"}]
+             for topic in ("rivers", "the moon and its phases", "prime numbers")]
+  want = [naive_greedy(model, tokenizer, p, 8) for p in prompts]
+  assert generate(model, tokenizer, prompts, max_new_tokens=8) == want
+  assert len(set(want)) == 3

@@ -165,6 +165,30 @@ def test_sliding_window_limits_attention():
   assert np.abs(out_x[0, :3] - out_y[0, :3]).max() > 1e-3
 
 
+@pytest.mark.parametrize("sliding_window", [None, 3])
+def test_cached_decoding_equals_the_full_forward(sliding_window):
+  """Prefill + one-token cached steps give the logits of the uncached forward at those positions."""
+  cfg = llama.LlamaConfig(**{**TINY.__dict__, "model_type": "mistral", "sliding_window": sliding_window})
+  model = llama.from_hf_state_dict(cfg, llama.to_hf_state_dict(tiny_model()))
+  x = ids(2, 10)
+  mask = np.ones_like(x)
+  mask[1, :2] = 0  # left padding: slots and positions differ by 2 in row 1
+  positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
+  want = np.asarray(model(x, attention_mask=mask, positions=positions))
+
+  prefill, num_slots = 6, 12  # two spare slots at the end: empty slots must not matter
+  key_mask = np.concatenate([mask, np.ones((2, num_slots - 10), np.int32)], axis=1)
+  cache = model.init_cache(2, num_slots)
+  h, cache = model.cached_hidden_states(x[:, :prefill], positions[:, :prefill], cache, 0, key_mask)
+  got = [h]
+  for i in range(prefill, 10):
+    h, cache = model.cached_hidden_states(x[:, i:i + 1], positions[:, i:i + 1], cache, i, key_mask)
+    got.append(h)
+  got = np.asarray(jnp.concatenate(got, axis=1) @ model.output_embedding().T)
+  np.testing.assert_allclose(got[0], want[0], atol=1e-5)
+  np.testing.assert_allclose(got[1, 2:], want[1, 2:], atol=1e-5)
+
+
 @pytest.mark.parametrize("remat", ["full", "dots", "dots_no_batch"])
 def test_remat_gives_the_same_gradients(remat):
   x = ids(2, 6)

@@ -9,6 +9,10 @@ The forward pass runs `jax.lax.scan` over that axis, so XLA compiles a single la
 of L unrolled copies: compile time stays near-constant in depth (important for compiling several
 bucket shapes before training). `remat` wraps the scanned body in `jax.checkpoint`.
 
+Decoding uses the same layers with a `KVCache` (`CausalLM.init_cache`, `CausalLM.cached_hidden_states`):
+the keys/values of new tokens are written into fixed cache slots and the queries attend over all
+slots, so generation runs exactly the training layer math (masks, sliding window included).
+
 Projections keep weights as `kernel` (in, out) (y = x @ kernel), i.e. the transpose of the
 PyTorch `nn.Linear.weight`. LoRA factors, when `jaxsft.lora.apply_lora` adds them, live on the
 projections as `nnx.LoRAParam` `lora_a` (in, r) and `lora_b` (r, out), also stacked per layer.
@@ -20,7 +24,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -191,6 +195,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return x * cos + rotated * sin
 
 
+def causal_window(query_idx: jax.Array, key_idx: jax.Array, sliding_window: int | None) -> jax.Array:
+  """Boolean (1, Tq, S): key at or before the query and, with a window, less than it behind."""
+  allowed = (query_idx[:, None] >= key_idx[None, :])[None]
+  if sliding_window is not None:
+    allowed = allowed & ((query_idx[:, None] - key_idx[None, :]) < sliding_window)[None]
+  return allowed
+
+
 def attention_mask_4d(batch: int, length: int, attention_mask: jax.Array | None,
                       segment_ids: jax.Array | None, sliding_window: int | None) -> jax.Array:
   """Boolean (B, 1, T, T): causal, real keys only, same segment, optional sliding window.
@@ -200,14 +212,38 @@ def attention_mask_4d(batch: int, length: int, attention_mask: jax.Array | None,
   its output only reaches positions whose labels are -100.
   """
   idx = jnp.arange(length)
-  allowed = (idx[:, None] >= idx[None, :])[None]
-  if sliding_window is not None:
-    allowed = allowed & ((idx[:, None] - idx[None, :]) < sliding_window)[None]
+  allowed = causal_window(idx, idx, sliding_window)
   if attention_mask is not None:
     allowed = allowed & (attention_mask[:, None, :] != 0)
   if segment_ids is not None:
     allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
   return jnp.broadcast_to(allowed, (batch, length, length))[:, None]
+
+
+def cache_attention_mask(start, num_new: int, key_mask: jax.Array,
+                         sliding_window: int | None) -> jax.Array:
+  """Boolean (B, 1, t, S) for t new tokens at cache slots [start, start + t) over S slots.
+
+  Causal by slot, visible key slots only (`key_mask` (B, S) != 0), and the window counted in
+  slots: the cache's user must lay tokens out so that slot distance is position distance.
+  """
+  slots = jnp.arange(key_mask.shape[1])
+  allowed = causal_window(start + jnp.arange(num_new), slots, sliding_window)
+  return (allowed & (key_mask[:, None, :] != 0))[:, None]
+
+
+class KVCache(NamedTuple):
+  """Rotated keys and the values at every cache slot: (B, S, K, D) for one layer, (L, B, S, K, D)
+  for the stacked decoder (the layer scan hands each layer its own slice)."""
+
+  keys: jax.Array
+  values: jax.Array
+
+  def write(self, keys: jax.Array, values: jax.Array, start) -> KVCache:
+    """The cache with the (B, t, K, D) keys/values of t new tokens at slots [start, start + t)."""
+    def put(cache, new):
+      return jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), start, axis=1)
+    return KVCache(put(self.keys, keys), put(self.values, values))
 
 
 def einsum_attention(q, k, v, mask, scale):
@@ -301,14 +337,24 @@ class Attention(nnx.Module):
     self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
     self.attention = attention
 
-  def __call__(self, x, cos, sin, mask, dropout_rng=None):
+  def __call__(self, x, cos, sin, mask, dropout_rng=None, cache: KVCache | None = None,
+               cache_start=0) -> tuple[jax.Array, KVCache | None]:
+    """(output (B, t, H), updated cache or None).
+
+    Without a cache the queries attend over the t keys of `x` (`mask` (B, 1, t, t)). With one,
+    the new keys/values go to cache slots [cache_start, cache_start + t) first and the queries
+    attend over all S slots (`mask` (B, 1, t, S), see `cache_attention_mask`).
+    """
     b, t, _ = x.shape
     q = self.q_proj(x, dropout_rng).reshape(b, t, self.num_heads, self.head_dim)
     k = self.k_proj(x, dropout_rng).reshape(b, t, self.num_kv_heads, self.head_dim)
     v = self.v_proj(x, dropout_rng).reshape(b, t, self.num_kv_heads, self.head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if cache is not None:
+      cache = cache.write(k, v, cache_start)
+      k, v = cache.keys, cache.values
     out = ATTENTION[self.attention](q, k, v, mask, self.head_dim ** -0.5)
-    return self.o_proj(out.reshape(b, t, -1), dropout_rng)
+    return self.o_proj(out.reshape(b, t, -1), dropout_rng), cache
 
 
 class MLP(nnx.Module):
@@ -335,9 +381,12 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, stack=stack, dtype=dtype)
     self.mlp = MLP(config, stack=stack, dtype=dtype, rngs=rngs)
 
-  def __call__(self, h, cos, sin, mask, dropout_rng=None):
-    h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, dropout_rng)
-    return h + self.mlp(self.post_attention_layernorm(h), dropout_rng)
+  def __call__(self, h, cos, sin, mask, dropout_rng=None, cache: KVCache | None = None,
+               cache_start=0) -> tuple[jax.Array, KVCache | None]:
+    """(new hidden states, updated cache or None): see `Attention.__call__` for the cache."""
+    attn_out, cache = self.self_attn(self.input_layernorm(h), cos, sin, mask, dropout_rng, cache, cache_start)
+    h = h + attn_out
+    return h + self.mlp(self.post_attention_layernorm(h), dropout_rng), cache
 
 
 class CausalLM(nnx.Module):
@@ -381,21 +430,47 @@ class CausalLM(nnx.Module):
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     mask = attention_mask_4d(b, t, attention_mask, segment_ids, self.config.sliding_window)
+    h, _ = self._decoder(input_ids, positions, mask, dropout_rng=dropout_rng)
+    return h
+
+  def init_cache(self, batch_size: int, num_slots: int) -> KVCache:
+    """An empty (zero) cache of `num_slots` slots for every layer, in the compute dtype."""
+    cfg = self.config
+    shape = (cfg.num_layers, batch_size, num_slots, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+
+  def cached_hidden_states(self, input_ids, positions, cache: KVCache, cache_start,
+                           key_mask) -> tuple[jax.Array, KVCache]:
+    """Final-normed hidden states (B, t, H) of t new tokens and the cache holding their keys.
+
+    The tokens (at RoPE `positions` (B, t)) take cache slots [cache_start, cache_start + t);
+    `key_mask` (B, S) marks the slots a query may see (0: padding). Causality and the sliding
+    window are counted in slots, see `cache_attention_mask`.
+    """
+    input_ids = jnp.asarray(input_ids)
+    mask = cache_attention_mask(cache_start, input_ids.shape[1], jnp.asarray(key_mask),
+                                self.config.sliding_window)
+    return self._decoder(input_ids, positions, mask, cache=cache, cache_start=cache_start)
+
+  def _decoder(self, input_ids, positions, mask, *, dropout_rng=None, cache: KVCache | None = None,
+               cache_start=0) -> tuple[jax.Array, KVCache | None]:
+    """Embed, run the scanned layer stack, final norm: (hidden states, updated cache or None)."""
     cos, sin = rope_tables(jnp.asarray(positions), rope_inv_freq(self.config), self.dtype)
     h = jnp.take(self.embed_tokens[...], input_ids, axis=0)
 
     graphdef, layer_state = nnx.split(self.layers)
     keys = None if dropout_rng is None else jax.random.split(dropout_rng, self.config.num_layers)
 
+    # `keys` and `cache` may be None (empty pytrees): the scan then carries nothing for them.
     def layer_step(h, xs):
-      state, key = xs
-      return nnx.merge(graphdef, state)(h, cos, sin, mask, key), None
+      state, key, layer_cache = xs
+      return nnx.merge(graphdef, state)(h, cos, sin, mask, key, layer_cache, cache_start)
 
     if self.remat is not None:
       policy = REMAT_POLICIES[self.remat] if isinstance(self.remat, str) else self.remat
       layer_step = jax.checkpoint(layer_step, policy=policy, prevent_cse=False)
-    h, _ = jax.lax.scan(layer_step, h, (layer_state, keys))
-    return self.norm(h)
+    h, cache = jax.lax.scan(layer_step, h, (layer_state, keys, cache))
+    return self.norm(h), cache
 
   def __call__(self, input_ids, attention_mask=None, positions=None, segment_ids=None, *,
                dropout_rng=None) -> jax.Array:
