@@ -17,7 +17,7 @@ once per collation mode:
 and reports distinct batch shapes (= compiles), padded / real / trained tokens and waste.
 
 Timing. The step is jaxsft's train step (`benchmarks.common.JaxsftStep`: the trainer's
-`make_step_fns` + `CompiledSteps`, LoRA r 8 on q/v, clip + AdamW). On a CPU, running every batch
+`make_step_functions` + `CompiledSteps`, LoRA r 8 on q/v, clip + AdamW). On a CPU, running every batch
 of every mode of every file through even a small model takes far longer than the ~10 minutes this
 study gets (the static mode alone is 256 x 1024 tokens per file), so the default run measures the
 step's two costs per shape and composes each mode's end-to-end time from them:
@@ -82,11 +82,12 @@ def mode_config(mode: str, *, max_length: int, batch_size: int) -> dict:
 
 
 # --------------------------------------------------------------------------- counting
-def count_mode(records, tokenizer, mode: str, *, max_length: int, batch_size: int, seed: int = 0):
-  """One epoch of the real pipeline: (summary, list of (shape, packed) per batch)."""
+def count_mode(records, tokenizer, mode: str, *, max_length: int, batch_size: int, seed: int = 0, tokenized=None):
+  """One epoch of the real pipeline (from `tokenized`, a `TokenizedRecords`, when given):
+  (summary, list of (shape, packed) per batch)."""
   from jaxsft.data import PipelineStats, batch_shapes, make_batches
 
-  config = mode_config(mode, max_length=max_length, batch_size=batch_size)
+  config = dict(mode_config(mode, max_length=max_length, batch_size=batch_size), tokenized=tokenized)
   stats = PipelineStats()
   start = time.perf_counter()
   shapes = [tuple(b["input_ids"].shape)
@@ -190,13 +191,14 @@ def compose(summary: dict, shapes, calibration: dict, *, packed: bool, batch_siz
   }
 
 
-def measure(model, cfg, records, tokenizer, mode: str, *, max_length: int, batch_size: int, seed: int = 0) -> dict:
+def measure(model, cfg, records, tokenizer, mode: str, *, max_length: int, batch_size: int, seed: int = 0,
+            tokenized=None) -> dict:
   """A real run of one epoch, as the trainer does it: pipeline, AOT compile of every shape the
   epoch emits (all listed shapes but for dynamic, whose 128 listed widths would all be compiled
   by jaxsft's trainer; here only the widths that occur), then every batch."""
   from jaxsft.data import batch_shapes, make_batches
 
-  config = mode_config(mode, max_length=max_length, batch_size=batch_size)
+  config = dict(mode_config(mode, max_length=max_length, batch_size=batch_size), tokenized=tokenized)
   start = time.perf_counter()
   step = common.JaxsftStep(model, cfg)
   batches = list(make_batches(records, tokenizer, seed=seed, num_epochs=1, **config))
@@ -223,21 +225,22 @@ def run_study(*, datasets, model_name: str, examples: int, max_length: int, batc
             "dtype": dtype, "examples": examples, "max_length": max_length, "batch_size": batch_size,
             "grid": list(grid), "reps": reps, "datasets": {}}
   log(f"machine: {common.machine_line(result['machine'])}")
-  records_of = {}
+  records_of, tokenized_of = {}, {}
   for name in datasets:
     records = common.dataset_records(name, limit=examples, seed=seed)
     records_of[name] = records
-    from jaxsft.data import tokenized
+    from jaxsft.data import tokenize_records
 
     t0 = time.perf_counter()
-    examples, _ = tokenized(records, tokenizer, max_length=max_length)  # cached on `records` for every mode
-    lengths = np.array([len(e["input_ids"]) for e in examples if e is not None])
+    tokenized_of[name] = tokenize_records(tokenizer, records, max_length=max_length)  # once, for every mode
+    lengths = tokenized_of[name].lengths
     floor = -(-lengths // 8) * 8  # each example alone, padded to a multiple of 8: no batching effects
     per = {"records": len(records), "tokenize_s": time.perf_counter() - t0, "modes": {}, "shapes_of": {},
            "per_example_floor_waste_pct": 100 * (1 - lengths.sum() / floor.sum()),
            "length_p50_p90_max": [float(np.percentile(lengths, 50)), float(np.percentile(lengths, 90)), int(lengths.max())]}
     for mode in MODES:
-      summary, shapes = count_mode(records, tokenizer, mode, max_length=max_length, batch_size=batch_size, seed=seed)
+      summary, shapes = count_mode(records, tokenizer, mode, max_length=max_length, batch_size=batch_size, seed=seed,
+                                   tokenized=tokenized_of[name])
       per["modes"][mode] = summary
       per["shapes_of"][mode] = shapes
       log(f"{name:28} {mode:14} shapes {summary['shapes']:3} batches {summary['batches']:3} "
@@ -267,7 +270,7 @@ def run_study(*, datasets, model_name: str, examples: int, max_length: int, batc
       raise SystemExit(f"--validate {item!r}: dataset must be one of {list(records_of)} and mode one of {MODES}")
     jax.clear_caches()
     measured = measure(model, cfg, records_of[name], tokenizer, mode, max_length=max_length, batch_size=batch_size,
-                       seed=seed)
+                       seed=seed, tokenized=tokenized_of[name])
     composed = result["datasets"][name]["modes"][mode]["composed"]
     result["validation"].append({"dataset": name, "mode": mode, "measured": measured,
                                  "composed_end_to_end_s": composed["end_to_end_s"]})
@@ -304,7 +307,7 @@ def markdown(result: dict, command: str) -> str:
       f"Machine: {common.machine_line(result['machine'])}.", "",
       f"Pipeline: jaxsft's `make_batches` with SmolLM2-135M-Instruct's tokenizer, max_length {result['max_length']}, "
       f"batch size {result['batch_size']}, one epoch over the first {result['examples']} records of a seeded "
-      "permutation of each file (all of them when fewer). Timed step: jaxsft's train step (`make_step_fns` + "
+      "permutation of each file (all of them when fewer). Timed step: jaxsft's train step (`make_step_functions` + "
       f"`CompiledSteps`: LoRA r 8 on q/v, clip + AdamW) on {result['model_description']}, {result['dtype']}, "
       f"{result['machine']['backend']}.", "",
       "Columns: *shapes* = distinct (B, T) the epoch emits, and in brackets the shapes `batch_shapes` lists "

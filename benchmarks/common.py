@@ -1,7 +1,7 @@
 """Shared pieces of the benchmarks: paths, the machine, the models, data subsets, jaxsft's step.
 
-The timed step is the trainer's own: `jaxsft.train.make_step_fns` (accumulate → apply: Σ grad
-nll / Σ valid → clip → AdamW) compiled ahead of time per batch shape by `jaxsft.train.CompiledSteps`,
+The timed step is the trainer's own: `jaxsft.step.make_step_functions` (accumulate → apply: Σ grad
+nll / Σ valid → clip → AdamW) compiled ahead of time per batch shape by `jaxsft.step.CompiledSteps`,
 on the mesh the trainer builds (`jaxsft.sharding`). One benchmark step = one optimizer step with
 one micro-batch, exactly what `python -m jaxsft.train` runs per step with `grad_accum=1`.
 """
@@ -147,10 +147,10 @@ def load_tokenizer():
 
 def dataset_records(name: str, *, limit: int | None, seed: int = 0):
   """A fixed subset: the first `limit` records of a seeded permutation of the file (or of jaxsft's
-  built-in task set of 1,200 records, the trainer's default data), as a `Records` object."""
+  built-in task set of 1,200 records, the trainer's default data), as a list."""
   import numpy as np
 
-  from jaxsft.data import Records, load_records
+  from jaxsft.data import load_records
 
   if name == BUILTIN:
     from jaxsft.data import synthetic
@@ -161,7 +161,7 @@ def dataset_records(name: str, *, limit: int | None, seed: int = 0):
   order = np.random.default_rng(seed).permutation(len(records))
   if limit is not None:
     order = order[:limit]
-  return Records([records[i] for i in order])
+  return [records[i] for i in order]
 
 
 # --------------------------------------------------------------------------- jaxsft's train step
@@ -192,7 +192,8 @@ class JaxsftStep:
     from flax import nnx
 
     from jaxsft import lora as lora_lib
-    from jaxsft import sharding, train
+    from jaxsft import sharding
+    from jaxsft import step as step_lib
 
     lora_lib.apply_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                         target_modules=cfg.lora.target_modules, seed=cfg.seed)
@@ -200,14 +201,14 @@ class JaxsftStep:
       lora_lib.load_adapter(model, adapter_dir)
     self.mesh = sharding.make_mesh_context(cfg.mesh)
     graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
-    schedule = train.make_schedule(cfg.optim, total_steps)
-    tx = train.make_optimizer(cfg.optim, schedule)
+    schedule = step_lib.make_schedule(cfg.optim, total_steps)
+    tx = step_lib.make_optimizer(cfg.optim, schedule)
     self.lora = self.mesh.replicate(lora)
     self.frozen = self.mesh.shard_frozen(frozen)
     self.opt_state = jax.jit(tx.init, out_shardings=self.mesh.replicated)(self.lora)
-    self.steps = train.CompiledSteps(train.make_step_fns(graphdef, cfg, tx, schedule), self.lora, self.opt_state,
-                                     self.frozen, self.mesh)
-    self.counter = train.compile_counter()
+    self.steps = step_lib.CompiledSteps(step_lib.make_step_functions(graphdef, cfg, tx, schedule), self.lora,
+                                        self.opt_state, self.frozen, self.mesh)
+    self.counter = step_lib.compile_counter()
     self.index = 0
     self.packed_keys = ("input_ids", "attention_mask", "labels", "segment_ids", "positions")
 
@@ -222,12 +223,12 @@ class JaxsftStep:
   def step(self, batch: dict) -> float:
     import numpy as np
 
-    from jaxsft.train import BATCH_KEYS
+    from jaxsft.step import BATCH_KEYS
 
     device_batch = self.mesh.put_batch({k: batch[k] for k in BATCH_KEYS if k in batch})
     acc = self.steps.zeros(self.lora)
     acc = self.steps.accumulate(acc, self.lora, self.frozen, device_batch, np.int32(self.index))
-    self.lora, self.opt_state, out = self.steps.apply(self.lora, self.opt_state, acc, np.int32(self.index))
+    self.lora, self.opt_state, out = self.steps.apply(self.lora, self.opt_state, acc)
     self.index += 1
     return float(out["loss"])
 

@@ -8,7 +8,7 @@ static batching at each shape over `alpaca_en_demo.json`), and the same update: 
 Σ trained tokens, clip the global gradient norm to 1, AdamW (lr 1e-3 constant, betas 0.9/0.999,
 eps 1e-8, no weight decay).
 
-  jaxsft          `benchmarks.common.JaxsftStep`: the trainer's `make_step_fns` + `CompiledSteps`
+  jaxsft          `benchmarks.common.JaxsftStep`: the trainer's `make_step_functions` + `CompiledSteps`
   torch eager     `peft.get_peft_model(AutoModelForCausalLM)` (SDPA attention), `model(..., labels=)`
                   → backward → `clip_grad_norm_` → `torch.optim.AdamW`
   torch.compile   the same with `torch.compile(model)`, each in its own process under a time limit
@@ -23,7 +23,8 @@ with 2 threads but 2.4 s with 1 while another process kept one core busy); XLA's
 degrades far less, so a loaded machine flatters jaxsft.
 Reported: steady-state step seconds (median over the steps after the first), tokens/s (B x T and
 trained tokens), time to the first finished step (jaxsft: AOT compile + step; torch.compile:
-tracing + compile + step), peak memory, the first losses side by side, and jaxsft / PyTorch
+tracing + compile + step, with inductor's on-disk caches disabled so it is a cold compile like
+jaxsft's), peak memory, the first losses side by side, and jaxsft / PyTorch
 throughput ratios of the medians. Model weights: a random `--model` from
 `benchmarks.common.RANDOM_MODELS` is written once with jaxsft's exporter (`to_hf_state_dict`,
 `to_hf_config`, safetensors) and loaded by both; the real `smollm2-135m-instruct` is loaded by
@@ -267,6 +268,20 @@ def jax_parts(workdir, meta, shape, dtype) -> dict:
                           argnums=(0, 1, 2)))
   parts[f"attention alone x {cfg.num_layers} layers, fwd+bwd"] = cfg.num_layers * _median_time(lambda: attn(q, k, v), sync)
 
+  # The frozen projections alone: y = x @ W for a layer's seven kernels, differentiated w.r.t. x
+  # only (the matmuls of the backward through frozen weights), times the number of layers.
+  layer = model.layers
+  kernels = {name: getattr(getattr(layer, group), name).kernel[...][0]
+             for group, names in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                  ("mlp", ("gate_proj", "up_proj", "down_proj"))) for name in names}
+  xs = {name: jnp.asarray(rng.standard_normal((b * t, w.shape[0])), model.dtype) for name, w in kernels.items()}
+  cts = {name: jnp.asarray(rng.standard_normal((b * t, w.shape[1])), model.dtype) for name, w in kernels.items()}
+  # value_and_grad: the forward products are needed (a bare grad of this linear function would be
+  # just ct @ W^T, which XLA would keep alone).
+  projections = jax.jit(jax.value_and_grad(lambda xs: sum(jnp.vdot(xs[n] @ kernels[n], cts[n]) for n in kernels)))
+  parts[f"frozen projections alone x {cfg.num_layers} layers, fwd+bwd"] = cfg.num_layers * _median_time(
+      lambda: projections(xs), sync)
+
   emb = model.output_embedding()
   hidden = jnp.asarray(rng.standard_normal((b, t, cfg.hidden_size)), model.dtype)
   head = jax.jit(jax.grad(lambda h: loss_lib.cross_entropy_sum(h @ emb.T, labels)[0]))
@@ -350,6 +365,21 @@ def torch_parts(workdir, meta, shape, dtype, device, threads) -> dict:
 
   parts[f"attention alone x {cfg.num_hidden_layers} layers, fwd+bwd"] = cfg.num_hidden_layers * _median_time(attention, sync)
 
+  layer = lm.model.layers[0]
+  weights = {name: getattr(getattr(layer, group), name).weight.detach()  # peft wraps q/v: .weight is the base
+             for group, names in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                  ("mlp", ("gate_proj", "up_proj", "down_proj"))) for name in names}
+  xs = {name: randn(b * t, w.shape[1]).requires_grad_() for name, w in weights.items()}
+  cts = {name: randn(b * t, w.shape[0]) for name, w in weights.items()}
+
+  def projections():
+    sum((torch.nn.functional.linear(xs[n], weights[n]) * cts[n]).sum() for n in weights).backward()
+    for x in xs.values():
+      x.grad = None
+
+  parts[f"frozen projections alone x {cfg.num_hidden_layers} layers, fwd+bwd"] = (
+      cfg.num_hidden_layers * _median_time(projections, sync))
+
   hidden = randn(b, t, cfg.hidden_size).requires_grad_()
 
   def head():
@@ -368,6 +398,9 @@ def profile_worker(kind, workdir, meta, shape, dtype, device, threads) -> dict:
 
 
 def worker_main(args) -> int:
+  if args.threads < (os.cpu_count() or 1) and hasattr(os, "sched_setaffinity"):
+    # Before JAX or torch start their thread pools: XLA sizes its pool by this mask.
+    os.sched_setaffinity(0, set(range(args.threads)))
   workdir = pathlib.Path(args.workdir)
   meta = json.loads((workdir / "meta.json").read_text())
   shape = tuple(int(x) for x in args.shape.split("x"))
@@ -385,19 +418,19 @@ def worker_main(args) -> int:
 
 
 def run_worker(framework: str, workdir, shape, *, steps, dtype, device, threads, timeout, log=print) -> dict:
-  """One run in a fresh process; with `threads` < cores the process is pinned to the first `threads`
+  """One run in a fresh process; with `threads` < cores the worker pins itself to the first `threads`
   cores (XLA sizes its thread pool by the affinity mask, torch by set_num_threads)."""
-  pin = threads < (os.cpu_count() or 1) and hasattr(os, "sched_setaffinity")
   cmd = [sys.executable, "-m", "benchmarks.vs_torch", "--worker", framework, "--workdir", str(workdir),
          "--shape", f"{shape[0]}x{shape[1]}", "--steps", str(steps), "--dtype", dtype, "--device", device,
          "--threads", str(threads)]
   env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(common.ROOT))
   if device == "cpu":
     env.setdefault("JAX_PLATFORMS", "cpu")
+  if framework == "torch_compile":  # a cold compile, like jaxsft's (no on-disk cache from earlier runs)
+    env.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
   t0, load = time.perf_counter(), os.getloadavg()[0]
   try:
-    proc = subprocess.run(cmd, cwd=common.ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-                          preexec_fn=(lambda: os.sched_setaffinity(0, set(range(threads)))) if pin else None)
+    proc = subprocess.run(cmd, cwd=common.ROOT, env=env, capture_output=True, text=True, timeout=timeout)
   except subprocess.TimeoutExpired:
     log(f"  {framework} {shape}: no result within the {timeout} s limit")
     return {"status": "timeout", "limit_s": timeout}

@@ -17,6 +17,8 @@ import types
 import typing
 from typing import Any
 
+from jaxsft.data import BATCHING, FORMATS, ON_ERROR, TRAIN_ON  # the data package owns its allowed values
+
 
 DEFAULT_CONFIG = pathlib.Path(__file__).parent / "configs" / "default.yaml"
 """The embedded default run, the base of the command line when no --config is given."""
@@ -160,10 +162,10 @@ ALIASES = {
 }
 CHOICES = {
     "model.dtype": ("float32", "bfloat16"),
-    "data.batching": ("static", "dynamic", "bucketed", "packed"),
-    "data.train_on": ("all_assistant", "last"),
-    "data.on_error": ("raise", "skip"),
-    "data.format": ("auto", "alpaca", "messages", "sharegpt", "prompt_completion"),
+    "data.batching": BATCHING,
+    "data.train_on": TRAIN_ON,
+    "data.on_error": ON_ERROR,
+    "data.format": ("auto",) + FORMATS,
     "optim.schedule": ("cosine", "linear", "constant"),
 }
 

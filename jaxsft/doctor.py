@@ -75,9 +75,11 @@ import json
 import math
 import pathlib
 import sys
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import numpy as np
+
+from jaxsft import run_files
 
 MIN_POINTS = 8
 NEAR_ZERO = 0.05
@@ -196,8 +198,10 @@ def _lag1_autocorrelation(x: np.ndarray) -> float:
   return float(np.dot(r[:-1], r[1:]) / denom) if denom > 0 else 0.0
 
 
-def _odd(n: int) -> int:
-  return n if n % 2 else n + 1
+def smoothing_window(n: int) -> int:
+  """The rolling-median window for n points: clip(n // 10, 5, 51), made odd (centered)."""
+  w = int(np.clip(n // 10, 5, 51))
+  return w if w % 2 else w + 1
 
 
 def _make(pattern: str, summary: str, evidence: dict[str, Any], *, fix: str | None = None) -> Diagnosis:
@@ -232,7 +236,7 @@ def diagnose(train_steps: Sequence[float], train_loss: Sequence[float], *,
     return _make("too_short", f"only {n} finite training losses", evidence)
 
   k_first, k_last = int(np.clip(n // 20, 3, 25)), int(np.clip(n // 10, 3, 50))
-  window = _odd(int(np.clip(n // 10, 5, 51)))
+  window = smoothing_window(n)
   s = smooth(loss, window)
   first, last = float(np.median(loss[:k_first])), float(np.median(loss[-k_last:]))
   noise, noise_rms = _noise(loss, window)
@@ -356,104 +360,9 @@ def _validation_overfit(steps: np.ndarray, s: np.ndarray, val_steps, val_loss,
   return None
 
 
-class Metrics(NamedTuple):
-  train_steps: list[int]
-  train_loss: list[float]
-  val_steps: list[int]
-  val_loss: list[float]
-  steps_per_epoch: int | None
-
-
-@dataclasses.dataclass
-class MetricsLog:
-  """Everything the doctor and the plot read from a metrics.jsonl."""
-
-  path: pathlib.Path
-  train_steps: list[int]
-  train_loss: list[float]
-  val_steps: list[int]
-  val_loss: list[float]
-  steps_per_epoch: int | None
-  epoch_end_steps: list[int]
-
-  def as_metrics(self) -> Metrics:
-    return Metrics(self.train_steps, self.train_loss, self.val_steps, self.val_loss,
-                   self.steps_per_epoch)
-
-
-class MetricsError(ValueError):
-  """A malformed metrics.jsonl (the message names the file and the line)."""
-
-
-def metrics_path(run_dir_or_file: str | pathlib.Path) -> pathlib.Path:
-  path = pathlib.Path(run_dir_or_file)
-  return path / "metrics.jsonl" if path.is_dir() else path
-
-
-def _number(obj: dict, key: str, where: str, *, integer: bool = False):
-  value = obj[key]
-  if value is None and not integer:
-    return math.nan  # a skipped (non-finite) step may be logged as null
-  if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
-    kind = "an integer" if integer else "a number"
-    raise MetricsError(f"{where}: field {key!r} must be {kind}, got {value!r}")
-  return int(value) if integer else float(value)
-
-
-def read_metrics(run_dir_or_file: str | pathlib.Path) -> MetricsLog:
-  """Parse RUN_DIR/metrics.jsonl (or the file itself). A later line for a step wins (resume)."""
-  path = metrics_path(run_dir_or_file)
-  if not path.is_file():
-    raise FileNotFoundError(f"no metrics file at {path}" + (
-        "" if path.parent.is_dir() else f" ({path.parent} does not exist)"))
-  train: dict[int, float] = {}
-  val: dict[int, float] = {}
-  epoch_ends: dict[int, int] = {}
-  steps_per_epoch = None
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, 1):
-      where = f"{path}:{lineno}"
-      if not line.strip():
-        continue
-      try:
-        obj = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise MetricsError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-      if not isinstance(obj, dict):
-        raise MetricsError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-      if "event" in obj:
-        if obj["event"] == "config" and obj.get("steps_per_epoch") is not None:
-          steps_per_epoch = _number(obj, "steps_per_epoch", where, integer=True)
-        continue
-      if not any(key in obj for key in ("loss", "val_loss", "epoch")):
-        continue  # some other record
-      if "step" not in obj:
-        raise MetricsError(f"{where}: a loss line needs a 'step' field")
-      step = _number(obj, "step", where, integer=True)
-      if "loss" in obj:
-        train[step] = _number(obj, "loss", where)
-      if "val_loss" in obj:
-        val[step] = _number(obj, "val_loss", where)
-      if "epoch" in obj:
-        epoch_ends[_number(obj, "epoch", where, integer=True)] = step
-  if not train:
-    raise MetricsError(f"{path}: no training loss lines (objects with 'step' and 'loss')")
-  train_steps = sorted(train)
-  ends = [epoch_ends[e] for e in sorted(epoch_ends)]
-  if steps_per_epoch is None and ends:
-    steps_per_epoch = ends[0] - train_steps[0] + 1  # the first epoch's steps
-  val_steps = sorted(val)
-  return MetricsLog(path, train_steps, [train[s] for s in train_steps], val_steps,
-                    [val[s] for s in val_steps], steps_per_epoch, ends)
-
-
-def load_metrics(run_dir: str | pathlib.Path) -> Metrics:
-  """(train_steps, train_loss, val_steps, val_loss, steps_per_epoch) of RUN_DIR/metrics.jsonl."""
-  return read_metrics(run_dir).as_metrics()
-
-
 def diagnose_run(run_dir: str | pathlib.Path) -> Diagnosis:
-  m = load_metrics(run_dir)
+  """The diagnosis of RUN_DIR/metrics.jsonl (or of that file)."""
+  m = run_files.read_metrics(run_dir)
   return diagnose(m.train_steps, m.train_loss, val_steps=m.val_steps or None,
                   val_loss=m.val_loss or None, steps_per_epoch=m.steps_per_epoch)
 
@@ -468,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parser.parse_args(argv)
   try:
     diagnosis = diagnose_run(args.run_dir)
-  except (OSError, MetricsError) as e:
+  except (OSError, run_files.MetricsError) as e:
     print(f"jaxsft.doctor: error: {e}", file=sys.stderr)
     return 2
   print(json.dumps(dataclasses.asdict(diagnosis), indent=2) if args.json else diagnosis.report())

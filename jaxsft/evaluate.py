@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   from jaxsft import config as config_lib
   from jaxsft import lora as lora_lib
-  from jaxsft import models
+  from jaxsft import models, run_files
 
   run = pathlib.Path(args.run_dir)
   for name in ("config.json", "heldout.json", "adapter"):
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
   lora_lib.load_adapter(model, str(run / "adapter"))
   records = json.loads((run / "heldout.json").read_text())
   out = compare_base_and_tuned(model, tokenizer, records, cfg)
-  (run / "evaluation.json").write_text(json.dumps(out, indent=2))
+  run_files.write_json(run / "evaluation.json", out)
   return 0
 
 

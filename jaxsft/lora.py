@@ -35,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxsft import run_files
+
 # module name -> path inside a decoder layer (as in transformers' Llama/Qwen2/Mistral)
 MODULE_PATHS = {
     "q_proj": ("self_attn", "q_proj"), "k_proj": ("self_attn", "k_proj"),
@@ -165,16 +167,6 @@ def peft_adapter_config(settings: LoraSettings, base_model_name_or_path: str | N
   }
 
 
-def _atomic_write(path: pathlib.Path, write):
-  tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-  try:
-    write(tmp)
-    os.replace(tmp, path)
-  finally:
-    if tmp.exists():
-      tmp.unlink()
-
-
 def adapter_tensors(model) -> dict[str, np.ndarray]:
   """PEFT-named float32 tensors: per layer lora_A (r, in) and lora_B (out, r)."""
   settings = lora_settings(model)
@@ -203,8 +195,9 @@ def save_adapter(model, directory: str | os.PathLike, *, base_model_name_or_path
   if base_model_name_or_path is None:
     base_model_name_or_path = getattr(model, "name_or_path", None)
   config = peft_adapter_config(lora_settings(model), base_model_name_or_path)
-  _atomic_write(directory / ADAPTER_WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
-  _atomic_write(directory / ADAPTER_CONFIG, lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
+  with run_files.atomic_path(directory / ADAPTER_WEIGHTS) as tmp:
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+  run_files.write_json(directory / ADAPTER_CONFIG, config)
   return directory
 
 

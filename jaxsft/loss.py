@@ -22,7 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-IGNORE_INDEX = -100
+from jaxsft.labels import IGNORE_INDEX  # re-exported: jaxsft.loss.IGNORE_INDEX
 
 
 def _shift(logits_or_hidden: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -1,7 +1,7 @@
 """`loss_curve.png`: training loss (raw and smoothed) and validation loss against step.
 
 matplotlib is imported lazily with the Agg backend (no display needed), and the PNG is written
-to a temp file in the same folder, then renamed, so a reader never sees half an image.
+atomically (`run_files.atomic_write`), so a reader never sees half an image.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pathlib
 
 import numpy as np
 
-from jaxsft import doctor
+from jaxsft import doctor, run_files
 
 
 def plot_loss_curve(run_dir_or_metrics, out_png: str | os.PathLike | None = None) -> pathlib.Path:
@@ -19,18 +19,16 @@ def plot_loss_curve(run_dir_or_metrics, out_png: str | os.PathLike | None = None
 
   Args:
     run_dir_or_metrics: a run folder holding metrics.jsonl, the metrics.jsonl path, or already
-      loaded metrics (`doctor.MetricsLog` or the `doctor.Metrics` tuple from `load_metrics`).
+      loaded metrics (a `run_files.MetricsLog`).
     out_png: where to write; default `loss_curve.png` beside the metrics file.
 
   The raw per-step loss is drawn faint, with the doctor's rolling median on top (window
   clip(n // 10, 5, 51), odd); epoch ends are dashed vertical lines when known.
   """
-  if isinstance(run_dir_or_metrics, doctor.MetricsLog):
+  if isinstance(run_dir_or_metrics, run_files.MetricsLog):
     log = run_dir_or_metrics
-  elif isinstance(run_dir_or_metrics, doctor.Metrics):
-    log = doctor.MetricsLog(None, *run_dir_or_metrics, [])
   else:
-    log = doctor.read_metrics(run_dir_or_metrics)
+    log = run_files.read_metrics(run_dir_or_metrics)
   epoch_ends = log.epoch_end_steps
   if not epoch_ends and log.steps_per_epoch and log.train_steps:  # only the epoch length known
     spe, first = log.steps_per_epoch, log.train_steps[0]
@@ -55,7 +53,7 @@ def plot_loss_curve(run_dir_or_metrics, out_png: str | os.PathLike | None = None
   if steps.size:
     ax.plot(steps, loss, color="tab:blue", alpha=0.3, linewidth=1, label="train (per step)")
     if finite.sum() >= 5:
-      window = doctor._odd(int(np.clip(finite.sum() // 10, 5, 51)))
+      window = doctor.smoothing_window(int(finite.sum()))
       ax.plot(steps[finite], doctor.smooth(loss[finite], window), color="tab:blue", linewidth=2,
               label=f"train (rolling median, {window} steps)")
     if (~finite).any():
@@ -74,6 +72,4 @@ def plot_loss_curve(run_dir_or_metrics, out_png: str | os.PathLike | None = None
   ax.legend(loc="upper right")
   fig.tight_layout()
 
-  from jaxsft.fileio import atomic_write
-
-  return atomic_write(out_png, lambda f: fig.savefig(f, format="png"), binary=True)
+  return run_files.atomic_write(out_png, lambda f: fig.savefig(f, format="png"), binary=True)

@@ -12,12 +12,12 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repo root holds `benchmarks`
 
-from benchmarks import collation  # noqa: E402
+from benchmarks import collation, common  # noqa: E402
 
 
 def test_collation_study_counts_composes_and_validates(tmp_path):
   name = "oasst_top_paths.jsonl"
-  result = collation.run_study(datasets=[name], model_name="tiny", examples=16, max_length=128, batch_size=4,
+  result = collation.run_study(datasets=[name, common.BUILTIN], model_name="tiny", examples=16, max_length=128, batch_size=4,
                                grid=[128], reps=1, validate=[f"{name}:static"], log=lambda s: None)
   modes = result["datasets"][name]["modes"]
   assert list(modes) == list(collation.MODES)
@@ -33,6 +33,9 @@ def test_collation_study_counts_composes_and_validates(tmp_path):
   assert modes["static"]["padded"] == modes["static"]["batches"] * 4 * 128
   # Dynamic never pads more than static; bucketed boundaries are chosen from these lengths.
   assert modes["dynamic x8"]["padded"] <= modes["static"]["padded"]
+  builtin = result["datasets"][common.BUILTIN]
+  assert builtin["records"] == 16 and set(builtin["modes"]) == set(collation.MODES)
+  assert set(result["findings"]) == {name, common.BUILTIN}
   (validation,) = result["validation"]
   measured = validation["measured"]
   assert measured["batches"] == modes["static"]["batches"] and measured["recompiles"] == 0

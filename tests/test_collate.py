@@ -1,13 +1,16 @@
-"""collate, choose_buckets, padding arithmetic: worked examples, HF parity, properties."""
+"""collate, choose_buckets, bucket lookup, padding arithmetic: worked examples, HF parity, properties."""
 
 import itertools
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxsft.data import IGNORE_INDEX, choose_buckets, collate, load_records, padding_cost, round_up, tokenize_example
+from jaxsft.data import (IGNORE_INDEX, BatchPlan, bucket_index, choose_buckets, collate, load_records, padding_cost,
+                         round_up, target_length, tokenize_example)
 
 
 def feats(*rows):
@@ -140,3 +143,37 @@ def test_choose_buckets_max_length_and_cost_arithmetic():
   assert cost.real == 3 + 5 + 9 + 30 + 1024 and cost.padded == 8 + 8 + 32 + 32 + 1024
   assert cost.waste == cost.padded - cost.real and cost.num_shapes == 3
   assert choose_buckets([5, 5, 5], 4) == [8]
+
+
+def test_bucket_index_is_the_one_lookup():
+  buckets = [16, 32, 64]
+  assert bucket_index(1, buckets) == 0 and bucket_index(16, buckets) == 0 and bucket_index(17, buckets) == 1
+  assert bucket_index(np.array([64, 3, 33]), buckets).tolist() == [2, 0, 2]
+  assert isinstance(bucket_index(40, buckets), int)
+  plan = BatchPlan(tuple(buckets), (4, 2, 1), max_length=64, pad_to_multiple_of=8, pad_token_id=0)
+  assert [plan.queue_of(n) for n in (5, 20, 64)] == [0, 1, 2]
+  assert target_length(20, bucket_lengths=[64, 16, 32]) == 32  # unsorted boundaries are sorted first
+  assert padding_cost([5, 20, 64], buckets).padded == 16 + 32 + 64
+  # One error, whichever caller looked the length up.
+  for lookup in (lambda: bucket_index(65, buckets), lambda: plan.queue_of(65),
+                 lambda: target_length(65, bucket_lengths=buckets), lambda: padding_cost([3, 65], buckets),
+                 lambda: collate(feats([1] * 65), pad_token_id=0, bucket_lengths=buckets)):
+    with pytest.raises(ValueError, match=r"^an example of 65 tokens fits no bucket \(largest is 64\)$"):
+      lookup()
+
+
+def test_ignore_index_is_defined_once():
+  import importlib
+
+  import jaxsft.labels
+  import jaxsft.loss
+
+  collate_module = importlib.import_module("jaxsft.data.collate")  # jaxsft.data.collate is the function
+  assert IGNORE_INDEX == -100
+  assert jaxsft.loss.IGNORE_INDEX is jaxsft.labels.IGNORE_INDEX is collate_module.IGNORE_INDEX is IGNORE_INDEX
+  # Neither side pulls the other in, and the shared module pulls in nothing heavy.
+  checks = {"jaxsft.loss": "not any(m.startswith('jaxsft.data') for m in sys.modules)",
+            "jaxsft.data": "'jaxsft.loss' not in sys.modules",
+            "jaxsft.labels": "'jax' not in sys.modules and 'numpy' not in sys.modules"}
+  for module, check in checks.items():
+    subprocess.run([sys.executable, "-c", f"import sys, {module}; assert {check}, sorted(sys.modules)"], check=True)

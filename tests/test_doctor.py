@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxsft import doctor
+from jaxsft.run_files import MetricsError, read_metrics
 
 SEEDS = range(8)
 
@@ -196,27 +197,26 @@ def test_load_metrics(tmp_path):
   steps, loss, _ = healthy(np.random.default_rng(0))
   run = _write_run(tmp_path / "run", steps, loss, val={10: 2.0, 20: 1.5, 85: 1.2},
                    extra_lines=[{"event": "summary", "seconds": 3.0}, {"step": 3, "tokens": 10}])
-  m = doctor.load_metrics(run)
+  m = read_metrics(run)
   assert m.train_steps == list(range(1, 81)) and np.allclose(m.train_loss, loss)
   assert m.val_steps == [10, 20, 85] and m.val_loss == [2.0, 1.5, 1.2]
   assert m.steps_per_epoch is None
-  train_steps, train_loss, val_steps, val_loss, spe = m  # the documented 5-tuple
-  assert doctor.load_metrics(run / "metrics.jsonl") == m
+  assert read_metrics(run / "metrics.jsonl") == m
 
   # epoch length from the config line, or else from the first epoch-end line
   run2 = _write_run(tmp_path / "run2", steps, loss, steps_per_epoch=20)
-  assert doctor.load_metrics(run2).steps_per_epoch == 20
-  assert doctor.read_metrics(run2).epoch_end_steps == [20, 40, 60, 80]
+  assert read_metrics(run2).steps_per_epoch == 20
+  assert read_metrics(run2).epoch_end_steps == [20, 40, 60, 80]
   text = (run2 / "metrics.jsonl").read_text().splitlines()
   (run2 / "metrics.jsonl").write_text("\n".join(text[1:]) + "\n")
-  assert doctor.load_metrics(run2).steps_per_epoch == 20
+  assert read_metrics(run2).steps_per_epoch == 20
 
 
 def test_resumed_run_later_lines_win(tmp_path):
   path = tmp_path / "metrics.jsonl"
   path.write_text("".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in (1, 2, 3))
                   + "".join(json.dumps({"step": s, "loss": float(s)}) + "\n" for s in (2, 3, 4)))
-  m = doctor.load_metrics(path)
+  m = read_metrics(path)
   assert m.train_steps == [1, 2, 3, 4] and m.train_loss == [9.0, 2.0, 3.0, 4.0]
 
 
@@ -230,8 +230,8 @@ def test_resumed_run_later_lines_win(tmp_path):
 def test_bad_metrics_line_names_file_and_line(tmp_path, line, message):
   path = tmp_path / "metrics.jsonl"
   path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n' + line + "\n")
-  with pytest.raises(doctor.MetricsError, match=message) as info:
-    doctor.load_metrics(tmp_path)
+  with pytest.raises(MetricsError, match=message) as info:
+    read_metrics(tmp_path)
   assert f"{path}:3" in str(info.value)
 
 

@@ -1,11 +1,13 @@
-"""make_batches / batch_shapes: shapes, epochs, drops, packing, determinism and exact resume."""
+"""make_batches / batch_shapes / count_batches: shapes, epochs, drops, packing, determinism, exact
+resume, batch counts, and one TokenizedRecords serving every call."""
 
 import json
 
 import numpy as np
 import pytest
 
-from jaxsft.data import IGNORE_INDEX, PipelineStats, Records, batch_shapes, load_records, make_batches, tokenized
+from jaxsft.data import (IGNORE_INDEX, PipelineStats, batch_shapes, count_batches, load_records, make_batches,
+                         tokenize_records)
 
 MAX_LENGTH = 256
 
@@ -14,12 +16,17 @@ MAX_LENGTH = 256
 def records(shared_data):
   alpaca = load_records(shared_data / "alpaca_en_demo.json")
   chat = load_records(shared_data / "chat_multiturn_demo.json")
-  return Records(list(alpaca[:150]) + list(chat[:50]))
+  return list(alpaca[:150]) + list(chat[:50])
 
 
 @pytest.fixture(scope="module")
-def examples(records, tokenizer):
-  return tokenized(records, tokenizer, max_length=MAX_LENGTH)[0]
+def tokens(records, tokenizer):
+  return tokenize_records(tokenizer, records, max_length=MAX_LENGTH)
+
+
+@pytest.fixture(scope="module")
+def examples(tokens):
+  return tokens.examples
 
 
 def rows_of(batches):
@@ -61,7 +68,7 @@ def test_every_example_once_per_epoch_in_listed_shapes(records, tokenizer, examp
 
 def test_drops_are_counted(records, tokenizer):
   stats = PipelineStats()
-  short = tokenized(records, tokenizer, max_length=40)[0]
+  short = tokenize_records(tokenizer, records, max_length=40).examples
   batches = list(make_batches(records, tokenizer, max_length=40, bucket_lengths=[16, 32, 40], stats=stats))
   dropped = sum(e is None for e in short)
   assert dropped > 0 and stats.dropped == dropped == stats.dropped_per_epoch[0]
@@ -133,6 +140,7 @@ def resume_matches(dataset, stop_after):
     assert set(a) == set(b)
     for k in a:
       np.testing.assert_array_equal(a[k], b[k])
+  return state
 
 
 @pytest.mark.parametrize("batching,stop_after", [("bucketed", 7), ("bucketed", 31), ("dynamic", 19),
@@ -140,11 +148,13 @@ def resume_matches(dataset, stop_after):
 def test_resume_mid_epoch_gives_identical_batches(records, tokenizer, batching, stop_after):
   ds = make_batches(records, tokenizer, max_length=MAX_LENGTH, batching=batching, batch_size=8, num_epochs=2)
   assert len(list(ds)) > stop_after
-  resume_matches(ds, stop_after)
+  state = resume_matches(ds, stop_after)
+  if batching != "packed":  # the bucket batcher's checkpoint format, which saved runs depend on
+    assert set(state) == {"anchor", "anchor_seen", "consumed", "emitted", "exhausted"}
 
 
 def test_resume_with_workers(records, tokenizer):
-  plain = Records(list(records[:120]))  # not tokenized up front: tokenization runs in the workers
+  plain = records[:120]  # no tokenized= and explicit buckets: tokenization runs in the workers
   ds = make_batches(plain, tokenizer, max_length=MAX_LENGTH, bucket_lengths=[64, 128, 192, 256], batch_size=4,
                     num_epochs=2, worker_count=2)
   resume_matches(ds, 23)
@@ -163,3 +173,89 @@ def test_bad_configs(records, tokenizer):
     make_batches(records, tokenizer, max_length=64, batch_size=6, batch_multiple_of=4)
   with pytest.raises(ValueError, match="largest bucket"):
     make_batches(records, tokenizer, max_length=64, bucket_lengths=[16, 32])
+
+
+COUNT_CASES = [("bucketed", {}), ("bucketed", {"bucket_lengths": [64, 128, 192, 256]}), ("dynamic", {}),
+               ("static", {}), ("packed", {}),
+               ("bucketed", {"tokens_per_batch": 2048, "batch_multiple_of": 2}), ("static", {"tokens_per_batch": 2048}),
+               ("packed", {"tokens_per_batch": 2048})]
+
+
+@pytest.mark.parametrize("batching,extra", COUNT_CASES, ids=[f"{b}-{'-'.join(e) or 'batch_size'}" for b, e in COUNT_CASES])
+def test_count_batches_equals_one_epoch(records, tokenizer, tokens, batching, extra):
+  config = dict(max_length=MAX_LENGTH, batching=batching, batch_size=4, seed=3, **extra)
+  emitted = sum(1 for _ in make_batches(records, tokenizer, num_epochs=1, **config))  # tokenizes on its own
+  assert count_batches(tokens, num_epochs=5, worker_count=2, **config) == emitted > 0  # epochs, workers: ignored
+
+
+class EncodeCounter:
+  """The real tokenizer, but its backend counts the texts it encodes."""
+
+  def __init__(self, tokenizer):
+    self.wrapped, self.encoded = tokenizer, 0
+
+  @property
+  def backend_tokenizer(self):
+    return CountingBackend(self)
+
+  def __getattr__(self, name):
+    return getattr(self.wrapped, name)
+
+  def __call__(self, *args, **kwargs):
+    return self.wrapped(*args, **kwargs)
+
+
+class CountingBackend:
+  def __init__(self, counter):
+    self.counter, self.backend = counter, counter.wrapped.backend_tokenizer
+
+  def encode(self, text, **kwargs):
+    self.counter.encoded += 1
+    return self.backend.encode(text, **kwargs)
+
+  def encode_batch(self, texts, **kwargs):
+    self.counter.encoded += len(texts)
+    return self.backend.encode_batch(texts, **kwargs)
+
+
+def test_one_tokenization_serves_every_call(records, tokenizer, tokens):
+  counter = EncodeCounter(tokenizer)
+  mine = tokenize_records(counter, records, max_length=MAX_LENGTH)
+  assert counter.encoded == len(records)
+  for batching in ("bucketed", "dynamic", "static", "packed"):
+    config = dict(max_length=MAX_LENGTH, batching=batching, batch_size=8, num_epochs=2)
+    batches = list(make_batches(records, counter, tokenized=mine, **config))
+    assert batch_shapes(records, counter, tokenized=mine, **config)
+    per_epoch = count_batches(mine, **config)
+    if batching != "packed":  # packed batches may hold the end of one epoch and the start of the next
+      assert 2 * per_epoch == len(batches)
+    reference = list(make_batches(records, tokenizer, tokenized=tokens, **config))
+    assert len(batches) == len(reference) and all((a[k] == b[k]).all() for a, b in zip(batches, reference) for k in a)
+  assert counter.encoded == len(records)  # nothing encoded after tokenize_records
+
+
+def test_tokenizes_once_or_lazily_per_epoch(records, tokenizer):
+  counter = EncodeCounter(tokenizer)
+  list(make_batches(records, counter, max_length=MAX_LENGTH, num_epochs=2))  # buckets chosen from the lengths
+  assert counter.encoded == len(records)  # tokenized once up front, for the buckets and the batches
+  counter.encoded = 0
+  list(make_batches(records, counter, max_length=MAX_LENGTH, bucket_lengths=[128, 256], num_epochs=2))
+  assert counter.encoded == 2 * len(records)  # without tokenized=, the map encodes every record each epoch
+
+
+def test_mismatched_tokenized_is_an_error(records, tokenizer, tokens):
+  config = dict(max_length=MAX_LENGTH, batching="static")
+  for call in (lambda **kw: make_batches(records, tokenizer, tokenized=tokens, **kw),
+               lambda **kw: batch_shapes(records, tokenizer, tokenized=tokens, **kw),
+               lambda **kw: count_batches(tokens, **kw)):
+    with pytest.raises(ValueError, match=f"max_length={MAX_LENGTH}, but max_length=128"):
+      call(**{**config, "max_length": 128})
+    with pytest.raises(ValueError, match="train_on='all_assistant', but train_on='last'"):
+      call(**config, train_on="last")
+  with pytest.raises(ValueError, match=f"holds {len(records)} records but {len(records) - 1} records"):
+    make_batches(records[:-1], tokenizer, tokenized=tokens, **config)
+  with pytest.raises(ValueError, match=f"holds {len(records)} records but {len(records) - 1} records"):
+    batch_shapes(records[:-1], tokenizer, tokenized=tokens, **config)
+  shorter = tokens.with_max_length(128)  # what a caller does for a smaller max_length
+  assert count_batches(shorter, max_length=128, batching="static") == sum(
+      1 for _ in make_batches(records, tokenizer, max_length=128, batching="static"))

@@ -1,12 +1,13 @@
 """loss_curve.png from a metrics file."""
 
+import dataclasses
 import json
 import struct
 
 import numpy as np
 import pytest
 
-from jaxsft import doctor
+from jaxsft.run_files import read_metrics
 from jaxsft.plot import plot_loss_curve
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -45,10 +46,10 @@ def test_plot_writes_a_png_beside_the_metrics(tmp_path):
 
 def test_plot_from_loaded_metrics_and_explicit_path(tmp_path):
   run = _write_metrics(tmp_path / "run")
-  out = plot_loss_curve(doctor.load_metrics(run), tmp_path / "plots" / "curve.png")
+  out = plot_loss_curve(read_metrics(run), tmp_path / "plots" / "curve.png")
   assert out.is_file() and _png_size(out)[0] > 300
-  with pytest.raises(ValueError, match="out_png is required"):
-    plot_loss_curve(doctor.load_metrics(run))
+  with pytest.raises(ValueError, match="out_png is required"):  # metrics built in memory have no folder
+    plot_loss_curve(dataclasses.replace(read_metrics(run), path=None))
 
 
 def test_plot_missing_metrics_is_a_clear_error(tmp_path):

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from jaxsft.data import DataError, load_records
+from jaxsft.data import DataError, SkipReport, load_records
 
 
 def write_jsonl(path, rows):
@@ -16,9 +16,10 @@ def write_jsonl(path, rows):
 
 def test_alpaca_file_input_appended(shared_data):
   raw = json.loads((shared_data / "alpaca_en_demo.json").read_text())
-  records = load_records(shared_data / "alpaca_en_demo.json")
-  assert len(records) == len(raw) == 999
-  assert records.report.num_skipped == 0
+  report = SkipReport()
+  records = load_records(shared_data / "alpaca_en_demo.json", report=report)
+  assert type(records) is list and len(records) == len(raw) == 999
+  assert report.num_skipped == 0 and report.total == 999 and report.path.endswith("alpaca_en_demo.json")
   with_input = next(i for i, r in enumerate(raw) if r["input"])
   user, reply = records[with_input]["messages"]
   assert user == {"role": "user", "content": raw[with_input]["instruction"] + "\n\n" + raw[with_input]["input"]}
@@ -107,14 +108,16 @@ def test_skip_reports_what_and_why(tmp_path, caplog):
   with open(path, "a") as f:
     f.write("{not json\n")
   with caplog.at_level(logging.WARNING, logger="jaxsft.data"):
-    records = load_records(path, on_error="skip")
+    report = SkipReport()
+    records = load_records(path, on_error="skip", report=report)
   assert [r["messages"][1]["content"] for r in records] == ["b", "c"]
-  report = records.report
   assert report.total == 5 and report.num_skipped == 3
   assert [where for where, _ in report.skipped] == ["line 2", "line 3", "line 5"]
   assert "empty assistant reply" in report.skipped[0][1]
   assert "must end with an assistant turn" in report.skipped[1][1]
   assert report.skipped[2][1] == "invalid JSON"
   assert "skipped 3 of 5 records" in caplog.text
+  load_records(path, on_error="skip", report=report)
+  assert report.total == 5 and report.num_skipped == 3  # a report passed again is refilled, not added to
   with pytest.raises(DataError, match="every record was invalid"):
     load_records(write_jsonl(tmp_path / "bad.jsonl", rows[1:3]), on_error="skip")

@@ -68,7 +68,8 @@ def _worker_mesh_equivalence(out_path):
   from flax import nnx
 
   from jaxsft import config as config_lib
-  from jaxsft import lora, loss, models, sharding, train
+  from jaxsft import lora, loss, models, sharding
+  from jaxsft import step as step_lib
   from jaxsft.models.hub import load_tokenizer
   from tiny_model import TINY
 
@@ -90,9 +91,9 @@ def _worker_mesh_equivalence(out_path):
     b["input_ids"] %= VOCAB
     b["labels"] = np.where(b["labels"] == -100, -100, b["labels"] % VOCAB)
   assert sorted({b["input_ids"].shape for b in batches}) == SHAPES
-  schedule = train.make_schedule(cfg.optim, 3)
-  tx = train.make_optimizer(cfg.optim, schedule)
-  counter = train.compile_counter()
+  schedule = step_lib.make_schedule(cfg.optim, 3)
+  tx = step_lib.make_optimizer(cfg.optim, schedule)
+  counter = step_lib.compile_counter()
   out = {}
   for name, (data, fsdp) in MESHES.items():
     auto = (jax.sharding.AxisType.Auto,) * 2
@@ -100,7 +101,7 @@ def _worker_mesh_equivalence(out_path):
                                              devices=jax.devices()[:data * fsdp]))
     p, f = ctx.replicate(params), ctx.shard_frozen(frozen)
     opt = jax.jit(tx.init, out_shardings=ctx.replicated)(p)
-    steps = train.CompiledSteps(train.make_step_fns(graphdef, cfg, tx, schedule), p, opt, f, ctx)
+    steps = step_lib.CompiledSteps(step_lib.make_step_functions(graphdef, cfg, tx, schedule), p, opt, f, ctx)
     before = counter.count
     steps.warm_up(SHAPES, KEYS, with_eval=False)  # the CLI tests count the evaluate compiles
     warmup = counter.count - before
@@ -115,7 +116,7 @@ def _worker_mesh_equivalence(out_path):
     losses, grad_norms = [], []
     for i, batch in enumerate(batches):
       acc = steps.accumulate(steps.zeros(p), p, f, ctx.put_batch(batch), np.int32(i))
-      p, opt, metrics = steps.apply(p, opt, acc, np.int32(i))
+      p, opt, metrics = steps.apply(p, opt, acc)
       losses.append(float(metrics["loss"]))
       grad_norms.append(float(metrics["grad_norm"]))
     rec.update(losses=losses, grad_norms=grad_norms, recompiles=steps.recompiles,
@@ -156,8 +157,9 @@ def _worker_cli_mesh_errors(model_dir, data_path, out_dir, out_path):
   import time
 
   from jaxsft import train
+  from jaxsft.step import compile_counter
 
-  counter = train.compile_counter()
+  counter = compile_counter()
   base = ["--model", model_dir, "--data", data_path, "--output-dir", out_dir, "--no-progress",
           "eval.generate=false", "data.tokens_per_batch=null"]  # fixed batch sizes (not a token budget)
   cases = {"data=3": ["mesh.data=3"], "fsdp=3": ["mesh.fsdp=3"], "batch=6": ["data.batch_size=6"],
@@ -307,7 +309,8 @@ def test_bfloat16_computes_in_bf16_with_float32_lora_loss_and_optimizer_state(re
   from flax import nnx
 
   from jaxsft import config as config_lib
-  from jaxsft import data, lora, train
+  from jaxsft import data, lora
+  from jaxsft import step as step_lib
   from jaxsft.data import synthetic
 
   records = synthetic.make_dataset(40, seed=11)
@@ -317,15 +320,15 @@ def test_bfloat16_computes_in_bf16_with_float32_lora_loss_and_optimizer_state(re
   val_batch = data.collate(examples[4:28], pad_token_id=2, bucket_lengths=[128])
   cfg = config_lib.TrainConfig()
   cfg.optim.schedule, cfg.optim.warmup_steps, cfg.optim.lr = "constant", 0, 2e-3
-  schedule = train.make_schedule(cfg.optim, 10)
-  tx = train.make_optimizer(cfg.optim, schedule)
+  schedule = step_lib.make_schedule(cfg.optim, 10)
+  tx = step_lib.make_optimizer(cfg.optim, schedule)
   val_loss, split, step_fns = {}, {}, {}
   for dtype, model in real_models.items():
     lora.apply_lora(model, r=8, alpha=16, seed=0)
     graphdef, params, frozen = nnx.split(model, nnx.LoRAParam, ...)
     split[dtype] = graphdef, params, frozen
-    step_fns[dtype] = [jax.jit(f) for f in train.make_step_fns(graphdef, cfg, tx, schedule)]
-    nll, n = step_fns[dtype][2](params, frozen, val_batch)
+    step_fns[dtype] = step_lib.StepFunctions(*(jax.jit(f) for f in step_lib.make_step_functions(graphdef, cfg, tx, schedule)))
+    nll, n = step_fns[dtype].evaluate(params, frozen, val_batch)
     assert nll.dtype == jnp.float32
     val_loss[dtype] = float(nll) / int(n)
   assert {str(x.dtype) for x in jax.tree.leaves(split["bfloat16"][2]) if jnp_floating(x)} == {"bfloat16"}
@@ -335,13 +338,13 @@ def test_bfloat16_computes_in_bf16_with_float32_lora_loss_and_optimizer_state(re
 
   # A few bf16 steps on one small batch lower the held-out loss; the state stays float32.
   graphdef, params, frozen = split["bfloat16"]
-  accumulate, apply, evaluate, zeros = step_fns["bfloat16"]
+  zeros, accumulate, apply, evaluate = step_fns["bfloat16"]
   opt_state = jax.jit(tx.init)(params)
   losses = []
   for step in range(6):
     acc = accumulate(zeros(params), params, frozen, train_batch, np.int32(step))
     assert {str(g.dtype) for g in jax.tree.leaves(acc["grads"])} == {"float32"}
-    params, opt_state, out = apply(params, opt_state, acc, np.int32(step))
+    params, opt_state, out = apply(params, opt_state, acc)
     assert out["loss"].dtype == jnp.float32 and bool(out["finite"])
     losses.append(float(out["loss"]))
   assert {str(x.dtype) for x in jax.tree.leaves(params)} == {"float32"}

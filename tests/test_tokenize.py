@@ -1,4 +1,5 @@
-"""tokenize_example: labels from the reply spans of the rendered chat template (real tokenizer)."""
+"""tokenize_example / tokenize_records: labels from the reply spans of the rendered chat template
+(real tokenizer), and the TokenizedRecords they return."""
 
 import copy
 
@@ -115,8 +116,9 @@ def test_plain_template_without_chat_template(tokenizer):
 
 def test_batched_equals_single(tokenizer, chat):
   sample = chat[:40]
-  examples, full_lengths = tokenize_records(tokenizer, sample, max_length=512)
-  for record, example, n in zip(sample, examples, full_lengths):
+  tokenized = tokenize_records(tokenizer, sample, max_length=512)
+  assert len(tokenized) == 40 and tokenized.max_length == 512 and tokenized.train_on == "all_assistant"
+  for record, example, n in zip(sample, tokenized.examples, tokenized.full_lengths):
     single = tokenize_example(tokenizer, record, max_length=512)
     if single is None:
       assert example is None
@@ -124,3 +126,22 @@ def test_batched_equals_single(tokenizer, chat):
     np.testing.assert_array_equal(example["input_ids"], single["input_ids"])
     np.testing.assert_array_equal(example["labels"], single["labels"])
     assert min(n, 512) == len(single["input_ids"])  # n: the length before truncation
+  kept = [len(e["input_ids"]) for e in tokenized.examples if e is not None]
+  assert tokenized.lengths.tolist() == kept
+
+
+def test_with_max_length_equals_tokenizing_at_it(tokenizer, chat):
+  sample = chat[:60]
+  long = tokenize_records(tokenizer, sample, max_length=512)
+  for max_length in (40, 200):
+    short, direct = long.with_max_length(max_length), tokenize_records(tokenizer, sample, max_length=max_length)
+    assert short.max_length == max_length and (short.full_lengths == direct.full_lengths).all()
+    assert [e is None for e in short.examples] == [e is None for e in direct.examples]
+    for a, b in zip(short.examples, direct.examples):
+      if a is not None:
+        np.testing.assert_array_equal(a["input_ids"], b["input_ids"])
+        np.testing.assert_array_equal(a["labels"], b["labels"])
+  assert any(e is None for e in long.with_max_length(40).examples)  # re-cutting drops like tokenizing does
+  assert (long.full_lengths > 512).any()
+  with pytest.raises(ValueError, match="cannot extend"):
+    long.with_max_length(4096)  # what was cut at 512 is gone

@@ -177,7 +177,8 @@ def test_accumulated_micro_batches_equal_one_batch_whatever_the_padding(tokenize
   from flax import nnx
 
   from jaxsft import config as config_lib
-  from jaxsft import data, lora, models, train
+  from jaxsft import data, lora, models
+  from jaxsft import step as step_lib
   from jaxsft.data import synthetic
   from tiny_model import TINY
 
@@ -186,14 +187,14 @@ def test_accumulated_micro_batches_equal_one_batch_whatever_the_padding(tokenize
   model = models.init_random(TINY, seed=0)
   # A sharper (tied) output embedding: a near-uniform random model gives every batch the same
   # mean loss, which would hide a mean of means.
-  model.embed_tokens.value = model.embed_tokens.value * 30.0
+  model.embed_tokens[...] = model.embed_tokens[...] * 30.0
   lora.apply_lora(model, r=4, alpha=8, seed=1)
   graphdef, params, frozen = nnx.split(model, nnx.LoRAParam, ...)
   # Non-zero B so the gradient reaches A too.
   params = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(2), x.shape), params)
-  schedule = train.make_schedule(cfg.optim, 10)
-  accumulate, apply, evaluate, zeros = train.make_step_fns(graphdef, cfg, train.make_optimizer(cfg.optim, schedule),
-                                                           schedule)
+  schedule = step_lib.make_schedule(cfg.optim, 10)
+  tx = step_lib.make_optimizer(cfg.optim, schedule)
+  zeros, accumulate, apply, evaluate = step_lib.make_step_functions(graphdef, cfg, tx, schedule)
   examples = [data.tokenize_example(tokenizer, r, max_length=1024) for r in synthetic.make_dataset(40, seed=5)]
   examples = [e for e in examples if len(e["input_ids"]) <= 120][:8]
   one = data.collate(examples, pad_token_id=2, bucket_lengths=[256])
@@ -207,7 +208,7 @@ def test_accumulated_micro_batches_equal_one_batch_whatever_the_padding(tokenize
   for g1, g2 in zip(jax.tree.leaves(acc_one["grads"]), jax.tree.leaves(acc_two["grads"])):
     np.testing.assert_allclose(g1, g2, rtol=1e-5, atol=1e-6)
   # The step's loss is the global Σ nll / Σ valid, not the mean of the two micro-batch means.
-  _, _, out = apply(params, jax.jit(train.make_optimizer(cfg.optim, schedule).init)(params), acc_two, 0)
+  _, _, out = apply(params, jax.jit(tx.init)(params), acc_two)
   nll1, n1 = evaluate(params, frozen, first)
   nll2, n2 = evaluate(params, frozen, second)
   mean_of_means = float(nll1 / n1 + nll2 / n2) / 2
@@ -220,18 +221,19 @@ def test_a_shape_outside_the_warm_up_set_is_counted_as_a_recompile():
   from flax import nnx
 
   from jaxsft import config as config_lib
-  from jaxsft import lora, models, sharding, train
+  from jaxsft import lora, models, sharding
+  from jaxsft import step as step_lib
   from tiny_model import TINY
 
   cfg = config_lib.TrainConfig()
   model = models.init_random(TINY, seed=0)
   lora.apply_lora(model, r=2, alpha=4)
   graphdef, params, frozen = nnx.split(model, nnx.LoRAParam, ...)
-  schedule = train.make_schedule(cfg.optim, 10)
-  tx = train.make_optimizer(cfg.optim, schedule)
+  schedule = step_lib.make_schedule(cfg.optim, 10)
+  tx = step_lib.make_optimizer(cfg.optim, schedule)
   ctx = sharding.make_mesh_context(cfg.mesh)
-  steps = train.CompiledSteps(train.make_step_fns(graphdef, cfg, tx, schedule), params, jax.jit(tx.init)(params),
-                              frozen, ctx)
+  steps = step_lib.CompiledSteps(step_lib.make_step_functions(graphdef, cfg, tx, schedule), params,
+                                 jax.jit(tx.init)(params), frozen, ctx)
   keys = ("input_ids", "attention_mask", "labels")
   steps.warm_up([(2, 16)], keys, with_eval=False)
   batch = lambda t: ctx.put_batch({"input_ids": np.ones((2, t), np.int32), "attention_mask": np.ones((2, t), np.int32),

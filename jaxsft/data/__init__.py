@@ -1,15 +1,23 @@
-"""Instruction data: loading, chat-template masking, collation, bucket choice, Grain batches."""
+"""Instruction data: loading, chat-template masking, collation, bucket choice, Grain batches.
 
-from jaxsft.data.collate import (IGNORE_INDEX, PaddingCost, choose_buckets, collate, padding_cost, round_up,
+records.py (files -> chat records), tokenize.py (records -> token ids and labels; `TokenizedRecords`),
+collate.py (padding, bucket choice), bucketing.py (length-grouped batching), packing.py (packed
+mode), pipeline.py (the Grain chain and its entry points), stats.py (`python -m jaxsft.data stats`).
+"""
+
+from jaxsft.data.bucketing import BatchPlan, BucketBatchIterDataset
+from jaxsft.data.collate import (PaddingCost, bucket_index, choose_buckets, collate, padding_cost, round_up,
                                  target_length)
-from jaxsft.data.pipeline import (BATCHING, BatchPlan, BucketBatchIterDataset, PipelineStats, batch_shapes,
-                                  make_batches, tokenized)
-from jaxsft.data.records import FORMATS, DataError, Records, SkipReport, load_records, normalize_record
-from jaxsft.data.tokenize import PLAIN_CHAT_TEMPLATE, render_with_spans, tokenize_example, tokenize_records
+from jaxsft.data.pipeline import BATCHING, PipelineStats, batch_shapes, count_batches, make_batches
+from jaxsft.data.records import FORMATS, ON_ERROR, DataError, SkipReport, load_records, normalize_record
+from jaxsft.data.tokenize import (PLAIN_CHAT_TEMPLATE, TRAIN_ON, TokenizedRecords, render_with_spans,
+                                  tokenize_example, tokenize_records)
+from jaxsft.labels import IGNORE_INDEX  # re-exported: jaxsft.data.IGNORE_INDEX
 
 __all__ = [
-    "BATCHING", "BatchPlan", "BucketBatchIterDataset", "DataError", "FORMATS", "IGNORE_INDEX",
-    "PLAIN_CHAT_TEMPLATE", "PaddingCost", "PipelineStats", "Records", "SkipReport", "batch_shapes",
-    "choose_buckets", "collate", "load_records", "make_batches", "normalize_record", "padding_cost",
-    "render_with_spans", "round_up", "target_length", "tokenize_example", "tokenize_records", "tokenized",
+    "BATCHING", "BatchPlan", "BucketBatchIterDataset", "DataError", "FORMATS", "IGNORE_INDEX", "ON_ERROR",
+    "PLAIN_CHAT_TEMPLATE", "PaddingCost", "PipelineStats", "SkipReport", "TRAIN_ON", "TokenizedRecords",
+    "batch_shapes", "bucket_index", "choose_buckets", "collate", "count_batches", "load_records", "make_batches",
+    "normalize_record", "padding_cost", "render_with_spans", "round_up", "target_length", "tokenize_example",
+    "tokenize_records",
 ]

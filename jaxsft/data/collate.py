@@ -11,7 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
-IGNORE_INDEX = -100
+from jaxsft.labels import IGNORE_INDEX
 
 
 def round_up(n: int, multiple: int | None) -> int:
@@ -31,10 +31,20 @@ def target_length(max_len: int, *, bucket_lengths: Sequence[int] | None = None,
   if bucket_lengths is None:
     return round_up(max_len, pad_to_multiple_of)
   buckets = sorted(bucket_lengths)
-  i = int(np.searchsorted(buckets, max_len, side="left"))
-  if i == len(buckets):
-    raise ValueError(f"a feature of length {max_len} fits no bucket (largest is {buckets[-1]})")
-  return int(buckets[i])
+  return int(buckets[bucket_index(max_len, buckets)])
+
+
+def bucket_index(lengths, bucket_lengths: Sequence[int]):
+  """Index of the smallest bucket >= each length (`bucket_lengths` sorted ascending).
+
+  `lengths` is one int (returns an int) or an array (returns an int array). Raises ValueError
+  when a length fits no bucket, naming the longest length and the largest bucket.
+  """
+  buckets = np.asarray(bucket_lengths)
+  index = np.searchsorted(buckets, lengths, side="left")
+  if np.any(index == len(buckets)):
+    raise ValueError(f"an example of {int(np.max(lengths))} tokens fits no bucket (largest is {int(buckets[-1])})")
+  return int(index) if np.ndim(index) == 0 else index
 
 
 def collate(features: Sequence[dict], *, pad_token_id: int, bucket_lengths: Sequence[int] | None = None,
@@ -96,9 +106,7 @@ def padding_cost(lengths: Sequence[int], bucket_lengths: Sequence[int]) -> Paddi
   `padded = sum_i min{b in buckets : b >= l_i}`."""
   lengths = np.asarray(lengths, dtype=np.int64)
   buckets = np.sort(np.asarray(bucket_lengths, dtype=np.int64))
-  idx = np.searchsorted(buckets, lengths, side="left")
-  if lengths.size and idx.max() >= len(buckets):
-    raise ValueError(f"an example of length {lengths.max()} fits no bucket (largest is {buckets[-1]})")
+  idx = bucket_index(lengths, buckets)
   return PaddingCost(real=int(lengths.sum()), padded=int(buckets[idx].sum()),
                      num_shapes=int(np.unique(idx).size))
 

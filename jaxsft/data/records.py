@@ -30,6 +30,7 @@ from typing import Any, Iterator
 logger = logging.getLogger("jaxsft.data")
 
 FORMATS = ("alpaca", "messages", "sharegpt", "prompt_completion")
+ON_ERROR = ("raise", "skip")
 ROLES = ("system", "user", "assistant")
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "system": "system"}
@@ -50,9 +51,10 @@ class DataError(ValueError):
 
 @dataclasses.dataclass
 class SkipReport:
-  """What `load_records(..., on_error="skip")` left out: one `(where, reason)` per skipped record."""
+  """What `load_records(..., report=SkipReport())` read and left out: `total` records in the file,
+  one `(where, reason)` per skipped record (only `on_error="skip"` skips)."""
 
-  path: str
+  path: str = ""
   total: int = 0
   skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
@@ -73,15 +75,8 @@ class SkipReport:
     return "\n".join(lines)
 
 
-class Records(list):
-  """The list `load_records` returns; `.report` is its `SkipReport`, `.path` the file."""
-
-  report: SkipReport
-  path: str
-
-
 def load_records(path: str | os.PathLike, fmt: str = "auto", field_map: dict[str, str] | None = None,
-                 on_error: str = "raise") -> Records:
+                 on_error: str = "raise", report: SkipReport | None = None) -> list[dict]:
   """Loads an instruction data file as normalized chat records.
 
   Args:
@@ -92,21 +87,23 @@ def load_records(path: str | os.PathLike, fmt: str = "auto", field_map: dict[str
       output, system, messages, conversations, prompt, completion, and inside turns role,
       content, from, value.
     on_error: `"raise"` (the first bad record raises `DataError`) or `"skip"` (bad records are
-      left out, a warning summary is logged, and the returned list's `.report` (a `SkipReport`)
-      lists each skipped record with where it was and why).
+      left out and a warning summary is logged).
+    report: a `SkipReport` filled in place with the file, the records read and each skipped
+      record with where it was and why.
 
   Returns:
-    A `Records` list of `{"messages": [...]}` dicts. An empty file, or one where nothing
-    is left after skipping, raises `DataError`.
+    A list of `{"messages": [...]}` dicts. An empty file, or one where nothing is left after
+    skipping, raises `DataError`.
   """
-  if on_error not in ("raise", "skip"):
-    raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+  if on_error not in ON_ERROR:
+    raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
   if fmt != "auto" and fmt not in FORMATS:
     raise ValueError(f"fmt must be 'auto' or one of {FORMATS}, got {fmt!r}")
   path = os.fspath(path)
   field_map = dict(field_map or {})
-  report = SkipReport(path=path)
-  records = Records()
+  report = report if report is not None else SkipReport()
+  report.path, report.total, report.skipped = path, 0, []
+  records = []
   for where, raw in _read_raw(path, report if on_error == "skip" else None):
     report.total += 1
     try:
@@ -121,7 +118,6 @@ def load_records(path: str | os.PathLike, fmt: str = "auto", field_map: dict[str
     logger.warning("%s", report.summary())
   if not records:
     raise DataError(f"every record was invalid:\n{report.summary()}", path=path)
-  records.report, records.path = report, path
   return records
 
 

@@ -6,23 +6,28 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxsft.data.pipeline import BATCHING, PipelineStats, batch_shapes, make_batches, tokenized
+from jaxsft.data.pipeline import BATCHING, PipelineStats, batch_shapes, make_batches
+from jaxsft.data.tokenize import TokenizedRecords, tokenize_records
 
 
 def compare_batching(records: Sequence[dict], tokenizer, *, max_length: int = 1024, num_buckets: int = 8,
                      batch_size: int = 8, pad_to_multiple_of: int = 8, seed: int = 0,
-                     train_on: str = "all_assistant") -> dict[str, dict]:
+                     train_on: str = "all_assistant", tokenized: TokenizedRecords | None = None) -> dict[str, dict]:
   """Runs one epoch of `make_batches` per batching mode and reports what it emitted.
+
+  The records are tokenized once (or `tokenized` is used) for every mode.
 
   Returns, per mode: `padded` (B*T summed over batches, fill rows included), `real` (tokens with
   attention_mask 1), `waste_frac = 1 - real / padded`, `shapes` (distinct (B, T) emitted),
   `listed_shapes` (`batch_shapes`), `batches`, and for bucketed the chosen `buckets`.
   """
+  if tokenized is None:
+    tokenized = tokenize_records(tokenizer, records, max_length=max_length, train_on=train_on)
   out = {}
   for mode in BATCHING:
     stats = PipelineStats()
     config = dict(max_length=max_length, batching=mode, num_buckets=num_buckets, batch_size=batch_size,
-                  pad_to_multiple_of=pad_to_multiple_of, train_on=train_on)
+                  pad_to_multiple_of=pad_to_multiple_of, train_on=train_on, tokenized=tokenized)
     shapes = set()
     for batch in make_batches(records, tokenizer, seed=seed, num_epochs=1, stats=stats, **config):
       shapes.add(batch["input_ids"].shape)
@@ -35,13 +40,13 @@ def compare_batching(records: Sequence[dict], tokenizer, *, max_length: int = 10
   return out
 
 
-def length_summary(records: Sequence[dict], tokenizer, *, max_length: int, train_on: str = "all_assistant") -> dict:
+def length_summary(tokenized: TokenizedRecords) -> dict:
   """Token lengths before truncation: count, percentiles, and how many truncation cuts or drops."""
-  examples, full = tokenized(records, tokenizer, max_length=max_length, train_on=train_on)
+  full, max_length = tokenized.full_lengths, tokenized.max_length
   return {"count": len(full), "min": int(full.min()), "p50": float(np.percentile(full, 50)),
           "p90": float(np.percentile(full, 90)), "p99": float(np.percentile(full, 99)), "max": int(full.max()),
           "mean": float(full.mean()), "truncated": int((full > max_length).sum()),
-          "dropped": sum(e is None for e in examples), "lengths": full}
+          "dropped": sum(e is None for e in tokenized.examples), "lengths": full}
 
 
 def text_histogram(lengths: Sequence[int], *, max_length: int, bins: int = 16, width: int = 50) -> str:

@@ -25,15 +25,20 @@ with generation prompt `Assistant: `. The rendered text is always tokenized with
 `add_special_tokens=False` (templates already contain their special tokens, so there is no double
 BOS); a tokenizer that adds a BOS by default gets its BOS text prepended once when the rendered
 text does not already start with it.
+
+Two encoders: `tokenize_example` (one record) and `tokenize_records` (many, encoded in batches),
+which returns a `TokenizedRecords`: the tokenization a caller keeps and passes to the pipeline's
+entry points so that they encode nothing again.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import dataclasses
+from typing import Sequence
 
 import numpy as np
 
-from jaxsft.data.collate import IGNORE_INDEX
+from jaxsft.labels import IGNORE_INDEX
 
 PLAIN_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -151,22 +156,83 @@ def tokenize_example(tokenizer, record: dict, *, max_length: int, train_on: str 
     `{"input_ids": int32[L], "labels": int32[L]}` with `L <= max_length` and labels -100 on every
     token outside the trained replies, or None when truncation left no trained token.
   """
+  return _encode_with_length(tokenizer, record, max_length=max_length, train_on=train_on)[0]
+
+
+def _encode_with_length(tokenizer, record: dict, *, max_length: int, train_on: str) -> tuple[dict | None, int]:
+  """`tokenize_example` plus the token count before truncation (the pipeline counts truncations)."""
   text, spans = render_with_spans(tokenizer, record, train_on=train_on)
   enc = _backend(tokenizer).encode(text, add_special_tokens=False)
-  return _finish(enc.ids, enc.offsets, spans, max_length)[0]
+  return _finish(enc.ids, enc.offsets, spans, max_length)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # eq=False: identity, not an elementwise array comparison
+class TokenizedRecords:
+  """Every record of a list tokenized once with one `max_length` and `train_on`.
+
+  The caller owns it and passes it to `make_batches`, `batch_shapes` and `count_batches`, which
+  then encode nothing; they raise ValueError when its record count, `max_length` or `train_on`
+  differ from theirs. Treat it (and the records it came from) as immutable.
+
+  Attributes:
+    examples: examples[i] is `tokenize_example(...)` of records[i], None when truncation left no
+      trained token (the pipeline drops it).
+    full_lengths: int64[N], the token count of records[i] before truncation.
+    max_length, train_on: the settings it was tokenized with.
+  """
+
+  examples: list[dict | None]
+  full_lengths: np.ndarray
+  max_length: int
+  train_on: str
+
+  def __len__(self) -> int:
+    return len(self.examples)
+
+  @property
+  def lengths(self) -> np.ndarray:
+    """int64 token counts (after truncation) of the kept examples, in record order."""
+    return np.array([len(e["input_ids"]) for e in self.examples if e is not None], dtype=np.int64)
+
+  def with_max_length(self, max_length: int) -> TokenizedRecords:
+    """The same records at a smaller `max_length`, without encoding again.
+
+    Exact: labels are computed on the whole text before truncation keeps a prefix, so cutting a
+    longer prefix again equals tokenizing at `max_length` (examples left with no trained token
+    become None). A larger `max_length` is possible only if no record was cut.
+    """
+    if max_length > self.max_length and (self.full_lengths > self.max_length).any():
+      raise ValueError(f"cannot extend a tokenization cut at max_length {self.max_length} to {max_length}")
+    examples = [None if e is None else _cut(e, max_length) for e in self.examples]
+    return TokenizedRecords(examples, self.full_lengths, max_length, self.train_on)
+
+  def check_matches(self, *, num_records: int | None, max_length: int, train_on: str) -> None:
+    """Raises ValueError naming the first setting that differs from how these records were tokenized."""
+    if num_records is not None and num_records != len(self):
+      raise ValueError(f"tokenized holds {len(self)} records but {num_records} records were passed")
+    if max_length != self.max_length:
+      raise ValueError(f"tokenized was made with max_length={self.max_length}, but max_length={max_length} was "
+                       "passed (tokenized.with_max_length(max_length) re-cuts it without encoding)")
+    if train_on != self.train_on:
+      raise ValueError(f"tokenized was made with train_on={self.train_on!r}, but train_on={train_on!r} was passed")
+
+
+def _cut(example: dict, max_length: int) -> dict | None:
+  labels = example["labels"][:max_length]
+  return {"input_ids": example["input_ids"][:max_length], "labels": labels} if (labels != IGNORE_INDEX).any() else None
 
 
 def tokenize_records(tokenizer, records: Sequence[dict], *, max_length: int, train_on: str = "all_assistant",
-                     batch_size: int = 256) -> tuple[list[dict | None], np.ndarray]:
-  """`tokenize_example` over many records, encoding in batches (the Rust tokenizer then uses its
-  own threads where `TOKENIZERS_PARALLELISM` allows).
+                     batch_size: int = 256) -> TokenizedRecords:
+  """`tokenize_example` over many records, encoding `batch_size` texts per call (the Rust
+  tokenizer then uses its own threads where `TOKENIZERS_PARALLELISM` allows).
 
   Returns:
-    `(examples, full_lengths)`: examples[i] is `tokenize_example(...)` of records[i] (None if it
-    was dropped) and full_lengths[i] its token count before truncation.
+    A `TokenizedRecords` (the examples and their lengths before truncation), to pass to
+    `make_batches`, `batch_shapes` and `count_batches` so that none of them tokenizes again.
   """
   backend = _backend(tokenizer)
-  examples: list[Any] = []
+  examples: list[dict | None] = []
   full_lengths = np.zeros(len(records), dtype=np.int64)
   for lo in range(0, len(records), batch_size):
     rendered = []
@@ -179,4 +245,4 @@ def tokenize_records(tokenizer, records: Sequence[dict], *, max_length: int, tra
     for j, ((_, spans), enc) in enumerate(zip(rendered, encodings)):
       example, full_lengths[lo + j] = _finish(enc.ids, enc.offsets, spans, max_length)
       examples.append(example)
-  return examples, full_lengths
+  return TokenizedRecords(examples, full_lengths, max_length, train_on)

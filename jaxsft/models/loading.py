@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxsft import run_files
 from jaxsft.models import llama
 from jaxsft.models.hub import ModelSource, load_tokenizer, resolve_model
 
@@ -217,12 +218,7 @@ def load_gguf_cached(source: ModelSource) -> tuple[dict, dict[str, np.ndarray], 
       hf_config.pop("_jaxsft_gguf_stamp")
       return hf_config, load_file(str(weights)), f"{gguf_path} (cached in {folder})"
   hf_config, tensors = read_gguf(gguf_path)
-  folder.mkdir(parents=True, exist_ok=True)
-  tmp = f".tmp{os.getpid()}"
-  save_file(tensors, str(weights) + tmp)
-  os.replace(str(weights) + tmp, weights)
-  # config last: its stamp marks the cache complete
-  pathlib.Path(str(config_file) + tmp).write_text(json.dumps({**hf_config, "_jaxsft_gguf_stamp": stamp},
-                                                             indent=1))
-  os.replace(str(config_file) + tmp, config_file)
+  with run_files.atomic_path(weights) as tmp:
+    save_file(tensors, str(tmp))
+  run_files.write_json(config_file, {**hf_config, "_jaxsft_gguf_stamp": stamp})  # last: its stamp marks the cache complete
   return hf_config, tensors, str(gguf_path)
