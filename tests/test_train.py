@@ -242,3 +242,34 @@ def test_a_shape_outside_the_warm_up_set_is_counted_as_a_recompile():
   assert steps.recompiles == 0 and not steps.unexpected_shapes
   steps.accumulate(acc, params, frozen, batch(24), np.int32(1))
   assert steps.recompiles >= 1 and steps.unexpected_shapes == [("accumulate", (2, 24))]
+
+
+def _damage(checkpoint):
+  """Overwrites the bytes of every file of a checkpoint's arrays (sizes kept)."""
+  files = [p for p in (checkpoint / "state").rglob("*") if p.is_file()]
+  assert files
+  for p in files:
+    p.write_bytes(b"\xff" * max(p.stat().st_size, 1))
+
+
+def test_resume_falls_back_past_a_damaged_checkpoint(tiny_dir, small_data, tmp_path):
+  steps = ["save_every=2", "keep_checkpoints=3", "eval.eval_every=0", "eval.generate=false"]
+  out = tmp_path / "run"
+  r = run_cli(base_args(tiny_dir, small_data, out, "max_steps=5", *steps))
+  assert r.returncode == 0, r.stderr
+  ckpt = out / "checkpoints"
+  assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [2, 4, 5]
+  _damage(ckpt / "5")
+  r = run_cli(base_args(tiny_dir, small_data, out, "max_steps=7", "--resume", *steps))
+  assert r.returncode == 0, r.stderr
+  assert f"checkpoint {ckpt / '5'} is damaged" in r.stderr and "resumed from step 4" in r.stderr
+  assert (out / "damaged_checkpoints" / "5").is_dir()
+  train, _, _ = read_metrics(out)
+  assert [l["step"] for l in train] == list(range(1, 8))
+  # Every checkpoint damaged: one clear line, exit 2.
+  for p in ckpt.iterdir():
+    if p.name.isdigit():
+      _damage(p)
+  r = run_cli(base_args(tiny_dir, small_data, out, "max_steps=9", "--resume", *steps))
+  assert r.returncode == 2
+  assert "restores whole" in r.stderr and "Traceback" not in r.stderr
