@@ -273,3 +273,61 @@ def test_resume_falls_back_past_a_damaged_checkpoint(tiny_dir, small_data, tmp_p
   r = run_cli(base_args(tiny_dir, small_data, out, "max_steps=9", "--resume", *steps))
   assert r.returncode == 2
   assert "restores whole" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_data_running_out_early_still_ends_with_a_fresh_validation(tiny_dir, small_data, tmp_path, tokenizer):
+  """Packed epochs can pack tighter than the first one (the planned step count is one epoch's
+  batches x epochs): the run then stops early, and its last validation is of its last step."""
+  from jaxsft import config as config_lib
+  from jaxsft import data
+  from jaxsft.train import load_data
+
+  packed = ["data.batching=packed", "data.max_length=256", "data.batch_size=4", "epochs=2"]
+  cfg = config_lib.parse_args([str(a) for a in base_args(tiny_dir, small_data, tmp_path / "unused", *packed)])
+  kw = dict(max_length=256, batching="packed", batch_size=4, tokens_per_batch=None)
+  for seed in range(20):  # a data order whose second epoch packs into fewer batches
+    cfg.data.seed = seed
+    records, _ = load_data(cfg)
+    tokens = data.tokenize_records(tokenizer, records, max_length=256)
+    planned = 2 * data.count_batches(tokens, seed=seed, **kw)
+    if sum(1 for _ in data.make_batches(records, tokenizer, seed=seed, num_epochs=2, tokenized=tokens, **kw)) < planned:
+      break
+  else:
+    pytest.skip("no seed in 0..19 packs its second epoch tighter")
+  out = tmp_path / "run"
+  r = run_cli(base_args(tiny_dir, small_data, out, *packed, f"data.seed={seed}", "eval.eval_every=5",
+                        "eval.generate=false"))
+  assert r.returncode == 0, r.stderr
+  assert "the data ran out" in r.stderr
+  train, val, _ = read_metrics(out)
+  last_step = train[-1]["step"]
+  assert last_step < planned and val[-1]["step"] == last_step
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["steps"] == last_step and summary["val_loss"] == val[-1]["val_loss"]
+
+
+def test_epoch_loss_and_valid_tokens_use_the_loss_count(small_data, tmp_path, tokenizer):
+  """Replies that start a row: the loss cannot score a row's first token (nothing predicts it),
+  so the logged valid tokens and the epoch average count labels[1:], as the loss does."""
+  import copy
+
+  from jaxsft import data
+  from tiny_model import make_tiny_model_dir
+
+  content_only = copy.deepcopy(tokenizer)
+  content_only.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+  model_dir = make_tiny_model_dir(tmp_path / "model", content_only)
+  words = ["alpha", "beta", "gamma", "delta", "echo", "fox", "golf", "hotel"]
+  records = [{"messages": [{"role": "assistant", "content": " ".join(words[i % 8:] + words[:i % 5])}]} for i in range(40)]
+  path = tmp_path / "replies.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in records))
+  out = tmp_path / "run"
+  r = run_cli(base_args(model_dir, path, out, "data.val_fraction=0", "eval.generate=false", "eval.eval_every=0"))
+  assert r.returncode == 0, r.stderr
+  train, _, lines = read_metrics(out)
+  examples = data.tokenize_records(content_only, records, max_length=1024).examples
+  assert all(e["labels"][0] != -100 for e in examples)  # every row starts with a trained token
+  assert sum(l["valid_tokens"] for l in train) == sum(len(e["labels"]) - 1 for e in examples)
+  (epoch,) = [l for l in lines if "epoch_loss" in l]
+  weighted = sum(l["loss"] * l["valid_tokens"] for l in train) / sum(l["valid_tokens"] for l in train)
+  assert epoch["epoch_loss"] == pytest.approx(weighted, rel=1e-5)
