@@ -79,7 +79,8 @@ class DataConfig:
   train_on: str = "all_assistant"
   """all_assistant: every reply is trained; last: only the final reply."""
   worker_count: int = 0
-  """Grain worker processes preparing batches (0: in the main process)."""
+  """Grain worker processes that tokenize records as batches are read (0: the main process). The
+  trainer tokenizes every record once before step 1, so its pipeline has nothing left for them."""
   seed: int = 0
 
 

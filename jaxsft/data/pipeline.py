@@ -149,7 +149,7 @@ def _example_stream(step: _TokenizeStep, *, seed: int, shuffle: bool, num_epochs
   # A pre-tokenized example is a list lookup: reader threads would only add overhead.
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0 if step.tokenized is not None else 2,
                                             prefetch_buffer_size=64))
-  if worker_count <= 0:
+  if worker_count <= 0 or step.tokenized is not None:  # workers would only pickle lookups across processes
     return it
   from absl import flags  # grain's workers read absl flags; unparsed flags raise there
 
@@ -275,7 +275,8 @@ def make_batches(records: Sequence[dict], tokenizer, *, max_length: int, batchin
     seed, shuffle, num_epochs: epoch e is shuffled with a seed derived from (seed, e); None repeats
       forever.
     train_on: "all_assistant" or "last".
-    worker_count: > 0 tokenizes in that many processes (`mp_prefetch`); useless with `tokenized`.
+    worker_count: > 0 tokenizes in that many processes (`mp_prefetch`); ignored with `tokenized`
+      (nothing is left to tokenize).
     shard_by_process: each JAX process keeps its rows of every global batch.
     stats: a `PipelineStats` updated in place; also reachable as the returned dataset's `.stats`.
     tokenized: `tokenize_records(tokenizer, records, max_length=..., train_on=...)`, so nothing is
