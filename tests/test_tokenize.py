@@ -145,3 +145,71 @@ def test_with_max_length_equals_tokenizing_at_it(tokenizer, chat):
   assert (long.full_lengths > 512).any()
   with pytest.raises(ValueError, match="cannot extend"):
     long.with_max_length(4096)  # what was cut at 512 is gone
+
+
+# ---------------------------------------------------------------------------------------------
+# The fast path (`SpanRenderer`, char_to_token labels) equals the prefix-render reference.
+
+EDGE_RECORDS = [
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\n\nHello"}]},
+    {"messages": [{"role": "user", "content": "emoji?"}, {"role": "assistant", "content": "🙂 你好 ok"}]},
+    {"messages": [{"role": "user", "content": "ends"}, {"role": "assistant", "content": "trailing 你好🙂"}]},
+    {"messages": [{"role": "system", "content": ""}, {"role": "user", "content": ""},
+                  {"role": "assistant", "content": "reply to nothing"}]},
+    {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "a"},
+                  {"role": "user", "content": "a"}, {"role": "assistant", "content": "  a  "}]},
+    {"messages": [{"role": "user", "content": "<|im_end|> inside"}, {"role": "assistant", "content": "<|im_start|>x"}]},
+]
+
+
+def test_fast_path_equals_prefix_renders(tokenizer, chat, shared_data):
+  from jaxsft.data import SpanRenderer
+
+  records = chat + load_records(shared_data / "oasst_top_paths.jsonl") + EDGE_RECORDS
+  for train_on in ("all_assistant", "last"):
+    renderer = SpanRenderer(tokenizer, train_on=train_on)
+    for record in records:
+      assert renderer(record) == render_with_spans(tokenizer, record, train_on=train_on)
+    assert renderer.fallbacks == 0  # ChatML treats contents as opaque: every record took the fast path
+    tokenized = tokenize_records(tokenizer, records, max_length=4096, train_on=train_on, batch_size=7)
+    for record, example in zip(records, tokenized.examples):
+      single = tokenize_example(tokenizer, record, max_length=4096, train_on=train_on)
+      np.testing.assert_array_equal(example["input_ids"], single["input_ids"])
+      np.testing.assert_array_equal(example["labels"], single["labels"])
+
+
+def test_content_dependent_template_falls_back_exactly(tokenizer, chat):
+  """A template that trims contents is not opaque: its records take the prefix-render path and
+  still get the reference spans."""
+  from jaxsft.data import SpanRenderer
+
+  trimming = copy.deepcopy(tokenizer)
+  trimming.chat_template = tokenizer.chat_template.replace("message['content']", "message['content'] | trim")
+  records = chat[:20] + [{"messages": [{"role": "user", "content": " q "}, {"role": "assistant", "content": " a \n"}]}]
+  renderer = SpanRenderer(trimming)
+  for record in records:
+    assert renderer(record) == render_with_spans(trimming, record)
+  assert renderer.fallbacks >= 1  # the padded record's render differs from its sentinel skeleton
+  tokenized = tokenize_records(trimming, records, max_length=4096)
+  for record, example in zip(records, tokenized.examples):
+    single = tokenize_example(trimming, record, max_length=4096)
+    np.testing.assert_array_equal(example["labels"], single["labels"])
+
+
+def test_labels_without_offsets_equal_the_offsets_rule(tokenizer):
+  """char_to_token runs equal the overlap rule, including multi-byte characters split over
+  several byte tokens at a span's edges."""
+  from jaxsft.data.tokenize import _contiguous_offsets, _labels_from_offsets, _trained_runs
+
+  backend = tokenizer.backend_tokenizer
+  assert _contiguous_offsets(backend)  # SmolLM2: byte-level BPE, no normalizer, no offset trimming
+  text = "<|im_start|>assistant\n你好🙂 world  \n\n🙂<|im_end|>\n"
+  enc = backend.encode(text, add_special_tokens=False)
+  ids = np.asarray(enc.ids, np.int32)
+  for s in range(len(text)):
+    for e in range(s + 1, len(text) + 1):
+      runs = _trained_runs(enc, [(s, e)], len(ids))
+      fast = np.full(len(ids), IGNORE_INDEX, np.int32)
+      for a, b in runs:
+        fast[a:b] = ids[a:b]
+      np.testing.assert_array_equal(fast, _labels_from_offsets(ids, np.asarray(enc.offsets).reshape(-1, 2), [(s, e)]))

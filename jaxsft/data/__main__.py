@@ -1,5 +1,8 @@
-"""`python -m jaxsft.data stats --data FILE [--model M] [--max-length N] [--buckets K] [--field-map JSON]
-[--batch-size B]`: token length distribution and the padding of static/dynamic/bucketed/packed batching."""
+"""`python -m jaxsft.data build|stats --data FILE [--model M] [--max-length N] [--train-on W] ...`
+
+build: tokenizes the data into its token store (or finds it) and says where it is, what it holds
+and how long that took. stats: token length distribution and the padding of
+static/dynamic/bucketed/packed batching, read from the same store."""
 
 from __future__ import annotations
 
@@ -8,41 +11,85 @@ import json
 import logging
 import sys
 
+from jaxsft.data.records import ON_ERROR
 from jaxsft.data.tokenize import TRAIN_ON
 
 
+def _data_arguments(parser: argparse.ArgumentParser, *, max_length: int, on_error: str) -> None:
+  parser.add_argument("--data", required=True,
+                      help="JSON array or JSONL (.gz ok), parquet/Arrow file, or a folder of parquet shards or "
+                           "from datasets' save_to_disk")
+  parser.add_argument("--model", default="smollm2-135m-instruct", help="tokenizer source (default: %(default)s)")
+  parser.add_argument("--max-length", type=int, default=max_length, help="truncation length (default: %(default)s)")
+  parser.add_argument("--field-map", type=json.loads, default=None,
+                      help='canonical -> file field names, e.g. \'{"instruction": "question", "output": "answer"}\'')
+  parser.add_argument("--format", default="auto", help="record format (default: auto-detect)")
+  parser.add_argument("--train-on", default="all_assistant", choices=TRAIN_ON)
+  parser.add_argument("--on-error", default=on_error, choices=ON_ERROR,
+                      help="raise (the first bad record is an error) or skip (bad records are counted and left "
+                           "out); default: %(default)s")
+  parser.add_argument("--cache-dir", default=None, help="token store folder (default: $JAXSFT_CACHE/tokens, ~/.cache/jaxsft/tokens)")
+  parser.add_argument("--no-cache", action="store_true", help="tokenize in memory, without the token store")
+
+
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m jaxsft.data", description=__doc__.split(":")[0])
+  parser = argparse.ArgumentParser(prog="python -m jaxsft.data", description=__doc__.split("\n")[0])
   sub = parser.add_subparsers(dest="command", required=True)
+  build = sub.add_parser("build", help="tokenize a data file into its token store (or find it)")
+  _data_arguments(build, max_length=512, on_error="raise")  # the trainer's defaults: it finds this store
   stats = sub.add_parser("stats", help="length histogram and padded tokens per batching mode")
-  stats.add_argument("--data", required=True, help="JSON array or JSONL (.gz ok) instruction file")
-  stats.add_argument("--model", default="smollm2-135m-instruct", help="tokenizer source (default: %(default)s)")
-  stats.add_argument("--max-length", type=int, default=1024, help="truncation length (default: %(default)s)")
+  _data_arguments(stats, max_length=1024, on_error="skip")
   stats.add_argument("--buckets", type=int, default=8, help="number of buckets to choose (default: %(default)s)")
   stats.add_argument("--batch-size", type=int, default=8, help="rows per batch (default: %(default)s)")
   stats.add_argument("--pad-to-multiple-of", type=int, default=8, help="(default: %(default)s)")
-  stats.add_argument("--field-map", type=json.loads, default=None,
-                     help='canonical -> file field names, e.g. \'{"instruction": "question", "output": "answer"}\'')
-  stats.add_argument("--format", default="auto", help="record format (default: auto-detect)")
-  stats.add_argument("--train-on", default="all_assistant", choices=TRAIN_ON)
   args = parser.parse_args(argv)
   logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+  if args.command == "build" and args.no_cache:
+    parser.error("build writes the token store: --no-cache does not apply")
 
-  from jaxsft.data.records import DataError, SkipReport, load_records
-  from jaxsft.data.stats import compare_batching, format_comparison, length_summary, text_histogram
-  from jaxsft.data.tokenize import tokenize_records
+  from jaxsft.data.records import DataError
   from jaxsft.models.hub import load_tokenizer
 
-  report = SkipReport()
+  tokenizer = load_tokenizer(args.model)
   try:
-    records = load_records(args.data, fmt=args.format, field_map=args.field_map, on_error="skip", report=report)
-  except DataError as e:
+    records, tokenized, result = _tokenized(args, tokenizer)
+  except (DataError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  tokenizer = load_tokenizer(args.model)
-  tokenized = tokenize_records(tokenizer, records, max_length=args.max_length, train_on=args.train_on)
+  if args.command == "build":
+    from jaxsft.data.store import describe
+
+    info = describe(result)
+    print(f"token store: {info['store']} ({'built' if info['built'] else 'found'} in {info['seconds']:.2f}s)")
+    print(f"{result.store.summary()}")
+    print(f"{info['bytes'] / 2**20:.1f} MiB on disk")
+    return 0
+  return _stats(args, tokenizer, records, tokenized)
+
+
+def _tokenized(args, tokenizer):
+  """(records, TokenizedRecords, StoreResult or None), from the store unless --no-cache."""
+  settings = dict(max_length=args.max_length, train_on=args.train_on)
+  if args.no_cache:
+    from jaxsft.data.records import SkipReport, load_records
+    from jaxsft.data.tokenize import tokenize_records
+
+    records = load_records(args.data, fmt=args.format, field_map=args.field_map, on_error=args.on_error,
+                           report=SkipReport())
+    return records, tokenize_records(tokenizer, records, **settings), None
+  from jaxsft.data.store import open_or_build
+
+  result = open_or_build(args.data, tokenizer, fmt=args.format, field_map=args.field_map, on_error=args.on_error,
+                         cache_dir=args.cache_dir, **settings)
+  return result.store.records(), result.store.tokenized(), result
+
+
+def _stats(args, tokenizer, records, tokenized) -> int:
+  from jaxsft.data.stats import compare_batching, format_comparison, length_summary, text_histogram
+
   summary = length_summary(tokenized)
-  print(f"{args.data}: {len(records)} records ({report.num_skipped} skipped), tokenizer {args.model}")
+  skipped = getattr(getattr(records, "store", None), "manifest", {}).get("skipped", 0)
+  print(f"{args.data}: {len(records)} records ({skipped} skipped), tokenizer {args.model}")
   print(f"tokens per example (before truncation): min {summary['min']}, p50 {summary['p50']:.0f}, "
         f"p90 {summary['p90']:.0f}, p99 {summary['p99']:.0f}, max {summary['max']}, mean {summary['mean']:.1f}")
   print(f"max_length {args.max_length}: {summary['truncated']} truncated, {summary['dropped']} dropped "

@@ -10,7 +10,11 @@ Bucket, dynamic and static batching are `bucketing.BucketBatchIterDataset` (no b
 epochs, leftovers are padded, never dropped); packed mode is `packing.packed_batches`.
 
 Tokenization: a `TokenizedRecords` (`tokenize_records`) passed as `tokenized=` is the cache the
-caller owns: `make_batches`, `batch_shapes` and `count_batches` then encode nothing. Without it
+caller owns: `make_batches`, `batch_shapes` and `count_batches` then encode nothing. One from a
+token store (`store.TokenStore.tokenized`, `records` then `TokenStore.records`) makes the map a
+random-access read of the memory-mapped store: each example is sliced from it when the shuffled
+index reaches it, and the lengths that choose buckets, widths and batch counts come from the
+store's length arrays without reading any example. Without it
 the map tokenizes each record as it is read, every epoch (in the workers when `worker_count > 0`),
 except bucketed batching without `bucket_lengths`, which tokenizes every record once up front to
 choose the buckets and batches from that.
@@ -315,8 +319,10 @@ def batch_shapes(records: Sequence[dict] | None = None, tokenizer=None, *, lengt
   Accepts (and ignores) make_batches' other arguments (seed, shuffle, num_epochs, worker_count,
   stats), so a trainer can pass one config dict to both. Bucketed without `bucket_lengths` needs
   the token lengths: `lengths`, `tokenized`, or `records` + `tokenizer` (tokenized here, and again
-  by `make_batches` unless you pass both one `tokenized`). Dynamic lists every T = multiple of
-  pad_to_multiple_of up to max_length (and max_length).
+  by `make_batches` unless you pass both one `tokenized`). Dynamic: a batch is as wide as its
+  longest example rounded up, so with the lengths (`lengths` or `tokenized`) the widths are
+  {min(round_up(L, pad_to_multiple_of), max_length)} over the examples' lengths L; without them,
+  every multiple of pad_to_multiple_of up to max_length (and max_length).
   """
   options = _BatchingOptions(max_length, batching, bucket_lengths, num_buckets, batch_size, tokens_per_batch,
                              pad_to_multiple_of, batch_multiple_of, shard_by_process)
@@ -332,7 +338,12 @@ def batch_shapes(records: Sequence[dict] | None = None, tokenizer=None, *, lengt
   plan = options.plan(lengths=lengths, epoch_size=0, pad_token_id=0)
   if plan.bucket_lengths is None:
     m = max(pad_to_multiple_of, 1)
-    widths = sorted({min(w, max_length) for w in range(m, max_length + m, m)})
+    if lengths is None and tokenized is not None:
+      lengths = tokenized.lengths
+    if lengths is not None:
+      widths = sorted({min(w, max_length) for w in (-(-np.asarray(lengths, np.int64) // m) * m).tolist()})
+    else:
+      widths = sorted({min(w, max_length) for w in range(m, max_length + m, m)})
     return [(plan.batch_sizes[0], w) for w in widths]
   return sorted(zip(plan.batch_sizes, plan.bucket_lengths))
 
@@ -347,7 +358,8 @@ def count_batches(tokenized: TokenizedRecords, *, max_length: int, batching: str
   Accepts (and ignores) make_batches' other arguments, like `batch_shapes`. Bucketed, static and
   dynamic are counted from the lengths: every epoch flushes its leftovers per bucket, so one epoch
   is the sum over buckets of ceil(n_k / B_k) (dropped examples excluded). Packed mode runs grain's
-  packer over the pre-tokenized examples (in the epoch's order, which `seed`/`shuffle` decide).
+  packer over the pre-tokenized examples (in the epoch's order, which `seed`/`shuffle` decide);
+  over a token store, over stand-ins of the stored lengths (no example is read).
   """
   options = _BatchingOptions(max_length, batching, bucket_lengths, num_buckets, batch_size, tokens_per_batch,
                              pad_to_multiple_of, batch_multiple_of, shard_by_process)
@@ -355,6 +367,8 @@ def count_batches(tokenized: TokenizedRecords, *, max_length: int, batching: str
   lengths = tokenized.lengths
   plan = options.plan(lengths=lengths, epoch_size=len(tokenized), pad_token_id=0)
   if batching == "packed":
+    if hasattr(tokenized.examples, "length_view"):  # a store: pack length stand-ins, read no example
+      tokenized = TokenizedRecords(tokenized.examples.length_view(), tokenized.full_lengths, max_length, train_on)
     step = _TokenizeStep(None, None, max_length=max_length, train_on=train_on, tokenized=tokenized)
     stream = _example_stream(step, seed=seed, shuffle=shuffle, num_epochs=1, worker_count=0, unchunk=False)
     return sum(1 for _ in packed_batches(stream, plan, seed=seed, stats=None, rows_to_batch=len))

@@ -12,9 +12,14 @@ ending with an assistant turn. Supported record formats (`fmt`, or detected per 
 - `prompt_completion`: `prompt` and `completion`, both strings (one user and one assistant turn)
   or both message lists (TRL's conversational form).
 
-Files are a JSON array or JSONL, optionally gzip-compressed (`.gz`); the container is detected
-from the first non-blank character. Bad input raises `DataError` naming the file, the line (JSONL)
-or index (JSON array), and the field.
+Files are a JSON array or JSONL, optionally gzip-compressed (`.gz`), the container detected from
+the first non-blank character; or Arrow data read through pyarrow: a `.parquet` file, an `.arrow`
+file (IPC stream or file format), a folder of parquet shards, or a folder written by Hugging Face
+`datasets`' `save_to_disk` (`state.json` listing `data-*.arrow` shards in the IPC stream format;
+a `DatasetDict` folder (`dataset_dict.json`) gives its `train` split). Records are streamed: JSONL
+line by line, a JSON array element by element, Arrow in record batches, so memory does not grow
+with the file. Bad input raises `DataError` naming the file, the line (JSONL), index (JSON array)
+or row (Arrow, with the shard), and the field.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import gzip
 import json
 import logging
 import os
+import pathlib
 from typing import Any, Iterator
 
 logger = logging.getLogger("jaxsft.data")
@@ -80,7 +86,8 @@ def load_records(path: str | os.PathLike, fmt: str = "auto", field_map: dict[str
   """Loads an instruction data file as normalized chat records.
 
   Args:
-    path: a JSON array or JSONL file, optionally `.gz`.
+    path: a JSON array or JSONL file (optionally `.gz`), a parquet or Arrow file, or a folder of
+      parquet shards or from `datasets`' `save_to_disk`.
     fmt: `"auto"` (detect each record from its keys) or one of `FORMATS`.
     field_map: canonical field name -> the name used in this file, e.g.
       `{"instruction": "question", "output": "answer"}`. Canonical names: instruction, input,
@@ -95,6 +102,13 @@ def load_records(path: str | os.PathLike, fmt: str = "auto", field_map: dict[str
     A list of `{"messages": [...]}` dicts. An empty file, or one where nothing is left after
     skipping, raises `DataError`.
   """
+  return list(iter_records(path, fmt=fmt, field_map=field_map, on_error=on_error, report=report))
+
+
+def iter_records(path: str | os.PathLike, fmt: str = "auto", field_map: dict[str, str] | None = None,
+                 on_error: str = "raise", report: SkipReport | None = None) -> Iterator[dict]:
+  """`load_records` as a stream: yields each normalized record as it is read (the checks for an
+  empty file and for nothing left after skipping run when the stream ends)."""
   if on_error not in ON_ERROR:
     raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
   if fmt != "auto" and fmt not in FORMATS:
@@ -103,22 +117,24 @@ def load_records(path: str | os.PathLike, fmt: str = "auto", field_map: dict[str
   field_map = dict(field_map or {})
   report = report if report is not None else SkipReport()
   report.path, report.total, report.skipped = path, 0, []
-  records = []
+  kept = 0
   for where, raw in _read_raw(path, report if on_error == "skip" else None):
     report.total += 1
     try:
-      records.append(normalize_record(raw, fmt=fmt, field_map=field_map))
+      record = normalize_record(raw, fmt=fmt, field_map=field_map)
     except DataError as e:
       if on_error == "raise":
         raise DataError(e.reason, path=path, where=where, field=e.field) from None
       report.skipped.append((where, f"field {e.field!r}: {e.reason}" if e.field else e.reason))
+      continue
+    kept += 1
+    yield record
   if report.total == 0:
     raise DataError("no records (empty file or empty array)", path=path)
   if report.skipped:
     logger.warning("%s", report.summary())
-  if not records:
+  if not kept:
     raise DataError(f"every record was invalid:\n{report.summary()}", path=path)
-  return records
 
 
 def _open_text(path: str):
@@ -127,27 +143,42 @@ def _open_text(path: str):
   return open(path, encoding="utf-8")
 
 
+_ARROW_SUFFIXES = (".parquet", ".arrow")
+_CHUNK = 1 << 20
+
+
 def _read_raw(path: str, report: SkipReport | None) -> Iterator[tuple[str, Any]]:
-  """Yields `(where, raw_record)`; `where` is "index i" (JSON array) or "line n" (JSONL)."""
+  """Yields `(where, raw_record)`; `where` is "index i" (JSON array), "line n" (JSONL) or
+  "row i" (Arrow; "SHARD row i" in a folder of several)."""
+  if os.path.isdir(path) or path.endswith(_ARROW_SUFFIXES):
+    yield from _read_arrow(path)
+    return
   if not os.path.isfile(path):
     raise DataError("no such file", path=path)
   try:
     with _open_text(path) as f:
-      text = f.read()
-  except (OSError, UnicodeDecodeError, EOFError) as e:
+      first = _first_char(f)
+      if first is None:
+        raise DataError("empty file", path=path)
+    with _open_text(path) as f:
+      if first == "[":
+        yield from _read_json_array(f, path)
+      else:
+        yield from _read_jsonl(f, path, report)
+  except (OSError, UnicodeDecodeError, EOFError, gzip.BadGzipFile) as e:
     raise DataError(f"cannot read: {e}", path=path) from None
-  stripped = text.lstrip()
-  if not stripped:
-    raise DataError("empty file", path=path)
-  if stripped[0] == "[":
-    try:
-      data = json.loads(text)
-    except json.JSONDecodeError as e:
-      raise DataError(f"invalid JSON: {e.msg} (column {e.colno})", path=path, where=f"line {e.lineno}") from None
-    for i, raw in enumerate(data):
-      yield f"index {i}", raw
-    return
-  for lineno, line in enumerate(text.splitlines(), start=1):
+
+
+def _first_char(f) -> str | None:
+  while chunk := f.read(4096):
+    stripped = chunk.lstrip()
+    if stripped:
+      return stripped[0]
+  return None
+
+
+def _read_jsonl(f, path: str, report: SkipReport | None) -> Iterator[tuple[str, Any]]:
+  for lineno, line in enumerate(f, start=1):
     if not line.strip():
       continue
     try:
@@ -159,6 +190,135 @@ def _read_raw(path: str, report: SkipReport | None) -> Iterator[tuple[str, Any]]
       report.skipped.append((f"line {lineno}", "invalid JSON"))
       continue
     yield f"line {lineno}", raw
+
+
+def _read_json_array(f, path: str) -> Iterator[tuple[str, Any]]:
+  """The elements of a JSON array, decoded one at a time from a buffer of about `_CHUNK` characters
+  (more while one element is longer), so memory is bounded by the largest element."""
+  decoder = json.JSONDecoder()
+  # lines_before: newlines in the text dropped before buf; column_before: characters of buf's first
+  # line that were dropped.
+  buf, pos, lines_before, column_before, eof = "", 0, 0, 0, False
+
+  def fill(min_more: int = 1) -> bool:
+    nonlocal buf, pos, lines_before, column_before, eof
+    if pos > _CHUNK:  # drop what was consumed
+      newline = buf.rfind("\n", 0, pos)
+      lines_before += buf.count("\n", 0, pos)
+      column_before = pos - newline - 1 if newline >= 0 else column_before + pos
+      buf, pos = buf[pos:], 0
+    added = 0
+    while not eof and added < min_more:
+      chunk = f.read(max(_CHUNK, min_more))
+      eof = not chunk
+      buf += chunk
+      added += len(chunk)
+    return added > 0
+
+  def skip_ws() -> str | None:
+    nonlocal pos
+    while True:
+      while pos < len(buf) and buf[pos] in " \t\r\n":
+        pos += 1
+      if pos < len(buf):
+        return buf[pos]
+      if not fill():
+        return None
+
+  def fail(message: str, at: int):
+    line = lines_before + buf.count("\n", 0, at) + 1
+    newline = buf.rfind("\n", 0, at)
+    column = at - newline if newline >= 0 else column_before + at + 1
+    raise DataError(f"invalid JSON: {message} (column {column})", path=path, where=f"line {line}")
+
+  fill()
+  skip_ws()
+  pos += 1  # the "["
+  index = 0
+  if skip_ws() == "]":
+    pos += 1
+  else:
+    while True:
+      if skip_ws() is None:
+        fail("Expecting value", pos)
+      need = 0
+      while True:
+        try:
+          raw, end = decoder.raw_decode(buf, pos)
+          break
+        except json.JSONDecodeError as e:
+          # A cut-off element fails near the buffer's end (a literal or number cut short) or in an
+          # unterminated string; anything else is bad JSON whatever follows.
+          incomplete = e.pos >= len(buf) - 64 or e.msg.startswith("Unterminated string")
+          if eof or not incomplete:
+            fail(e.msg, e.pos)
+          need = max(2 * need, _CHUNK)
+          fill(need)
+      pos = end
+      yield f"index {index}", raw
+      index += 1
+      sep = skip_ws()
+      if sep == ",":
+        pos += 1
+        continue
+      if sep == "]":
+        pos += 1
+        break
+      fail("Expecting ',' delimiter", pos)
+  if skip_ws() is not None:
+    fail("Extra data", pos)
+
+
+def _arrow_files(path: str) -> list[str]:
+  """The Arrow/parquet files of a path, in order (see the module docstring)."""
+  if not os.path.isdir(path):
+    if not os.path.isfile(path):
+      raise DataError("no such file", path=path)
+    return [path]
+  if os.path.isfile(os.path.join(path, "dataset_dict.json")):
+    with open(os.path.join(path, "dataset_dict.json")) as f:
+      splits = json.load(f).get("splits", [])
+    split = "train" if "train" in splits else (splits[0] if len(splits) == 1 else None)
+    if split is None:
+      raise DataError(f"a DatasetDict folder without a 'train' split (splits: {splits}); pass the split's folder",
+                      path=path)
+    return _arrow_files(os.path.join(path, split))
+  if os.path.isfile(os.path.join(path, "state.json")):
+    with open(os.path.join(path, "state.json")) as f:
+      return [os.path.join(path, d["filename"]) for d in json.load(f)["_data_files"]]
+  for suffix in _ARROW_SUFFIXES:
+    files = sorted(str(p) for p in pathlib.Path(path).rglob(f"*{suffix}"))
+    if files:
+      return files
+  raise DataError("a folder without state.json, dataset_dict.json, parquet or arrow files", path=path)
+
+
+def _read_arrow(path: str) -> Iterator[tuple[str, Any]]:
+  try:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+  except ImportError:
+    raise DataError("reading parquet/Arrow data needs pyarrow (pip install pyarrow)", path=path) from None
+  files = _arrow_files(path)
+  for file in files:
+    name = f"{os.path.relpath(file, path)} " if len(files) > 1 else ""
+    try:
+      if file.endswith(".parquet"):
+        batches = pq.ParquetFile(file).iter_batches(batch_size=1024)
+      else:
+        source = pa.memory_map(file)
+        try:
+          batches = iter(pa.ipc.open_stream(source))
+        except pa.ArrowInvalid:
+          reader = pa.ipc.open_file(source)
+          batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+      row = 0
+      for batch in batches:
+        for raw in batch.to_pylist():
+          yield f"{name}row {row}", raw
+          row += 1
+    except (OSError, pa.ArrowException) as e:
+      raise DataError(f"cannot read {file}: {e}", path=path) from None
 
 
 def normalize_record(raw: Any, *, fmt: str = "auto", field_map: dict[str, str] | None = None) -> dict:

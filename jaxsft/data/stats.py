@@ -46,7 +46,7 @@ def length_summary(tokenized: TokenizedRecords) -> dict:
   return {"count": len(full), "min": int(full.min()), "p50": float(np.percentile(full, 50)),
           "p90": float(np.percentile(full, 90)), "p99": float(np.percentile(full, 99)), "max": int(full.max()),
           "mean": float(full.mean()), "truncated": int((full > max_length).sum()),
-          "dropped": sum(e is None for e in tokenized.examples), "lengths": full}
+          "dropped": tokenized.num_dropped, "lengths": full}
 
 
 def text_histogram(lengths: Sequence[int], *, max_length: int, bins: int = 16, width: int = 50) -> str:

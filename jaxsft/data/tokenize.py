@@ -26,15 +26,36 @@ with generation prompt `Assistant: `. The rendered text is always tokenized with
 BOS); a tokenizer that adds a BOS by default gets its BOS text prepended once when the rendered
 text does not already start with it.
 
-Two encoders: `tokenize_example` (one record) and `tokenize_records` (many, encoded in batches),
-which returns a `TokenizedRecords`: the tokenization a caller keeps and passes to the pipeline's
-entry points so that they encode nothing again.
+Two encoders: `tokenize_example` (one record, the reference) and `tokenize_records` (many, through
+`encode_batches`), which returns a `TokenizedRecords`: the tokenization a caller keeps and passes to
+the pipeline's entry points so that they encode nothing again. `encode_batches` is also what the
+token store (store.py) writes, so both give exactly `tokenize_example`'s examples.
+
+Fast path (`SpanRenderer`, used by `encode_batches`): rendering prefixes costs two template
+renders per assistant turn. Instead, each conversation *shape* (the roles, and which contents are
+empty) is rendered once with unique sentinel strings in place of the contents; that gives the
+template text around every content and, in sentinel coordinates, every quantity the prefix rule
+above needs (where `P_i` ends, where the reply may start). A conversation is then rendered once,
+and the fast path is taken only if that text equals the sentinel skeleton with the contents put
+back (the template treats the contents as opaque text); the prefix rule is then applied to the
+verified text, with the prefix lengths mapped from sentinel to real coordinates. Otherwise (a
+template that trims, escapes or branches on content) the record takes the prefix-render path.
+
+Labels from character offsets need every token's offsets (a Python list per example, ~15% of the
+encode time). For byte-level BPE tokenizers without a normalizer or offset trimming, every token
+covers at least one character and offsets never decrease, so the overlapping tokens of a span
+[s, e) are one contiguous run: from the first token containing character s to the last token
+containing character e - 1, found with `char_to_token` and `token_to_chars` (a few calls per span).
+Other tokenizers use the offsets.
 """
 
 from __future__ import annotations
 
+import array
+import concurrent.futures
 import dataclasses
-from typing import Sequence
+import json
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -176,12 +197,13 @@ class TokenizedRecords:
 
   Attributes:
     examples: examples[i] is `tokenize_example(...)` of records[i], None when truncation left no
-      trained token (the pipeline drops it).
+      trained token (the pipeline drops it). A list, or a `store.StoredExamples` that reads each
+      example from a memory-mapped token store on access.
     full_lengths: int64[N], the token count of records[i] before truncation.
     max_length, train_on: the settings it was tokenized with.
   """
 
-  examples: list[dict | None]
+  examples: Sequence[dict | None]
   full_lengths: np.ndarray
   max_length: int
   train_on: str
@@ -192,7 +214,23 @@ class TokenizedRecords:
   @property
   def lengths(self) -> np.ndarray:
     """int64 token counts (after truncation) of the kept examples, in record order."""
+    if hasattr(self.examples, "kept_lengths"):  # a store: from its length arrays, nothing is read
+      return self.examples.kept_lengths()
     return np.array([len(e["input_ids"]) for e in self.examples if e is not None], dtype=np.int64)
+
+  @property
+  def num_dropped(self) -> int:
+    """Records that truncation left with no trained token."""
+    return len(self) - len(self.lengths)
+
+  def take(self, indices: Sequence[int]) -> TokenizedRecords:
+    """The records at `indices`, in that order (a view when backed by a store)."""
+    indices = np.asarray(indices, dtype=np.int64)
+    if hasattr(self.examples, "take"):
+      examples = self.examples.take(indices)
+    else:
+      examples = [self.examples[i] for i in indices]
+    return TokenizedRecords(examples, self.full_lengths[indices], self.max_length, self.train_on)
 
   def with_max_length(self, max_length: int) -> TokenizedRecords:
     """The same records at a smaller `max_length`, without encoding again.
@@ -201,9 +239,14 @@ class TokenizedRecords:
     longer prefix again equals tokenizing at `max_length` (examples left with no trained token
     become None). A larger `max_length` is possible only if no record was cut.
     """
+    if max_length == self.max_length:
+      return self
     if max_length > self.max_length and (self.full_lengths > self.max_length).any():
       raise ValueError(f"cannot extend a tokenization cut at max_length {self.max_length} to {max_length}")
-    examples = [None if e is None else _cut(e, max_length) for e in self.examples]
+    if hasattr(self.examples, "with_max_length"):
+      examples = self.examples.with_max_length(max_length)
+    else:
+      examples = [None if e is None else _cut(e, max_length) for e in self.examples]
     return TokenizedRecords(examples, self.full_lengths, max_length, self.train_on)
 
   def check_matches(self, *, num_records: int | None, max_length: int, train_on: str) -> None:
@@ -222,27 +265,320 @@ def _cut(example: dict, max_length: int) -> dict | None:
   return {"input_ids": example["input_ids"][:max_length], "labels": labels} if (labels != IGNORE_INDEX).any() else None
 
 
+# ---------------------------------------------------------------------------------------------
+# The fast path: one render per conversation, reply spans from a per-shape sentinel render.
+
+_SENTINEL = "\ue000jaxsft{}\ue001"  # private-use characters around an index: no template or text has them
+
+
+@dataclasses.dataclass(frozen=True)
+class _ShapePlan:
+  """A conversation shape's template text around its contents and, per trained turn, the prefix
+  rule's positions in sentinel coordinates: `(turn_end, contents_before_turn_end, lo,
+  contents_before_lo)`; a real position is the sentinel one plus the length change of the contents
+  before it."""
+
+  skeleton: tuple[str, ...]  # len(content_order) + 1 pieces
+  content_order: tuple[int, ...]  # message index of each non-empty content, in render order
+  turns: tuple[tuple[int, int, int, int, int], ...]  # (message index, turn_end, k_turn, lo, k_lo)
+  render: Callable[[list], str]  # the whole conversation, as `_render` renders it
+
+
+class SpanRenderer:
+  """`render_with_spans` with one template render per conversation (see the module docstring).
+
+  Call it with a record; returns `(text, spans)` exactly as `render_with_spans` does, which it
+  falls back to for records whose template does not treat contents as opaque text.
+  """
+
+  def __init__(self, tokenizer, *, train_on: str = "all_assistant"):
+    if train_on not in TRAIN_ON:
+      raise ValueError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
+    self.tokenizer, self.train_on = tokenizer, train_on
+    self.bos = _bos_prefix(tokenizer)
+    self.plans: dict[tuple, _ShapePlan | None] = {}
+    self.fallbacks = 0  # records that took the prefix-render path
+    self._direct = _direct_renderer(tokenizer)
+
+  def __call__(self, record: dict) -> tuple[str, list[tuple[int, int]]]:
+    messages = record["messages"]
+    shape = tuple((m["role"], m["content"] == "") for m in messages)
+    plan = self.plans.get(shape, False)
+    if plan is False:
+      plan = self.plans[shape] = self._plan(shape)
+    if plan is not None:
+      full = plan.render(messages)
+      contents = [messages[i]["content"] for i in plan.content_order]
+      pieces = [plan.skeleton[0]]
+      for content, piece in zip(contents, plan.skeleton[1:]):
+        pieces += (content, piece)
+      if full == "".join(pieces):
+        return self._spans(full, messages, plan, contents)
+    self.fallbacks += 1
+    return render_with_spans(self.tokenizer, record, train_on=self.train_on)
+
+  def _spans(self, full, messages, plan, contents):
+    shift = [0]
+    for i, content in zip(plan.content_order, contents):
+      shift.append(shift[-1] + len(content) - len(_SENTINEL.format(i)))
+    spans = []
+    for i, turn_end_s, k_turn, lo_s, k_lo in plan.turns:
+      turn_end, lo = turn_end_s + shift[k_turn], lo_s + shift[k_lo]
+      content = messages[i]["content"]
+      start = full.find(content, lo, turn_end)
+      if start < 0:  # templates that trim the content
+        content = content.strip()
+        start = full.find(content, lo, turn_end)
+      if start < 0 or not content:
+        raise ValueError(f"assistant turn {i}: reply text not found in the rendered conversation")
+      end = start + len(content)
+      end += len(full[end:turn_end].rstrip())  # the end-of-turn marker is trained
+      spans.append((start, end))
+    if self.bos and not full.startswith(self.bos):
+      full = self.bos + full
+      spans = [(s + len(self.bos), e + len(self.bos)) for s, e in spans]
+    return full, spans
+
+  def _plan(self, shape) -> _ShapePlan | None:
+    """The shape's sentinel render, or None when positions cannot be mapped (then records of this
+    shape take the prefix-render path, which also raises the errors it raises)."""
+    sentinels = [_SENTINEL.format(i) for i in range(len(shape))]
+    messages = [{"role": role, "content": "" if empty else sentinels[i]} for i, (role, empty) in enumerate(shape)]
+    render = lambda msgs, gen=False: _render(self.tokenizer, msgs, generation_prompt=gen)
+    try:
+      full = render(messages)
+    except Exception:  # the template rejects this shape: the reference path raises it with context
+      return None
+    order = [i for i, (_, empty) in enumerate(shape) if not empty]
+    skeleton, at = [], 0
+    for i in order:
+      pos = full.find(sentinels[i], at)
+      if pos < 0 or full.count(sentinels[i]) != 1:
+        return None
+      skeleton.append(full[at:pos])
+      at = pos + len(sentinels[i])
+    skeleton.append(full[at:])
+    ends = []  # sentinel end positions, in render order
+    pos = 0
+    for piece, i in zip(skeleton, order):
+      pos += len(piece)
+      ends.append((pos, pos + len(sentinels[i])))
+      pos += len(sentinels[i])
+
+    def contents_before(p):  # how many contents end at or before p; None if p falls inside one
+      k = 0
+      for lo, hi in ends:
+        if hi <= p:
+          k += 1
+        elif lo < p:
+          return None
+      return k
+
+    turns_wanted = [i for i, (role, _) in enumerate(shape) if role == "assistant"]
+    if self.train_on == "last":
+      turns_wanted = turns_wanted[-1:]
+    turns = []
+    for i in turns_wanted:
+      turn = full if i == len(messages) - 1 else render(messages[: i + 1])
+      if not full.startswith(turn):
+        return None
+      header = render(messages[:i], True) if i else ""
+      lo = len(header) if turn.startswith(header) else len(render(messages[:i]) if i else "")
+      k_turn, k_lo = contents_before(len(turn)), contents_before(lo)
+      if k_turn is None or k_lo is None:
+        return None
+      turns.append((i, len(turn), k_turn, lo, k_lo))
+    render_full = lambda msgs: _render(self.tokenizer, msgs)
+    if self._direct is not None and self._direct(messages) == full:
+      render_full = self._direct
+    return _ShapePlan(tuple(skeleton), tuple(order), tuple(turns), render_full)
+
+
+def _direct_renderer(tokenizer) -> Callable[[list], str] | None:
+  """The compiled chat template called directly, without `apply_chat_template`'s per-call
+  preparation (half the render time for short records); None where transformers does not expose
+  its compiled template. Used for a conversation shape only after it rendered that shape's
+  sentinel conversation exactly as `apply_chat_template` does."""
+  try:
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+  except ImportError:
+    return None
+  template = getattr(tokenizer, "chat_template", None)
+  try:
+    compiled = _compile_jinja_template(template if template else PLAIN_CHAT_TEMPLATE)
+    variables = dict(tokenizer.special_tokens_map)
+  except Exception:  # a template only apply_chat_template can handle
+    return None
+  if not isinstance(template, (str, type(None))):
+    return None
+  return lambda messages: compiled.render(messages=messages, tools=None, documents=None, add_generation_prompt=False,
+                                          **variables)
+
+
+def _contiguous_offsets(backend) -> bool:
+  """True when every token covers >= 1 character and offsets never decrease: byte-level BPE with
+  no normalizer and no post-processor that trims offsets."""
+  try:
+    spec = json.loads(backend.to_str())
+  except (AttributeError, TypeError, ValueError):  # not a `tokenizers.Tokenizer`: the offsets decide
+    return False
+  pre, post = spec.get("pre_tokenizer") or {}, spec.get("post_processor") or {}
+  pres = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+  posts = post.get("processors", [post]) if post.get("type") == "Sequence" else [post]
+  byte_level = any(p.get("type") == "ByteLevel" for p in pres)
+  trims = any(p.get("type") in ("ByteLevel", "RobertaProcessing") and p.get("trim_offsets", True) for p in posts)
+  return (spec.get("normalizer") is None and byte_level and not trims
+          and (spec.get("model") or {}).get("type") == "BPE")
+
+
+def _trained_runs(enc, spans, num_tokens: int) -> list[tuple[int, int]] | None:
+  """Token ranges [a, b) overlapping each span, from `char_to_token` (contiguous offsets only);
+  None when a boundary character maps to no token (then the offsets decide)."""
+  runs = []
+  for s, e in spans:
+    a, b = enc.char_to_token(s), enc.char_to_token(e - 1)
+    if a is None or b is None:
+      return None
+    while a > 0 and enc.token_to_chars(a - 1)[1] > s:
+      a -= 1
+    while b + 1 < num_tokens and enc.token_to_chars(b + 1)[0] < e:
+      b += 1
+    runs.append((a, b + 1))
+  return runs
+
+
+@dataclasses.dataclass
+class EncodedBatch:
+  """Consecutive records encoded: the kept examples' tokens back to back.
+
+  `token_ids` int32[T] and `trained` bool[T] (labels = token_ids where trained, else -100) hold the
+  kept examples' first `max_length` tokens in record order; per record `lengths` (0 when dropped:
+  no trained token left), `full_lengths` (before truncation) and `first_trained` (index of the
+  first trained token, -1 when dropped), all int64.
+  """
+
+  token_ids: np.ndarray
+  trained: np.ndarray
+  lengths: np.ndarray
+  full_lengths: np.ndarray
+  first_trained: np.ndarray
+
+  def examples(self) -> list[dict | None]:
+    out, at = [], 0
+    for n in self.lengths.tolist():
+      if n == 0:
+        out.append(None)
+        continue
+      ids = self.token_ids[at:at + n]
+      out.append({"input_ids": ids, "labels": np.where(self.trained[at:at + n], ids, IGNORE_INDEX).astype(np.int32)})
+      at += n
+    return out
+
+
+def encode_batches(tokenizer, records: Iterable[dict], *, max_length: int, train_on: str = "all_assistant",
+                   batch_size: int = 512, first_index: int = 0) -> Iterator[EncodedBatch]:
+  """`tokenize_example` over a stream of records, `batch_size` at a time, as `EncodedBatch`es.
+
+  The Rust tokenizer's `encode_batch` runs on a thread (it releases the GIL and uses its own
+  threads where `TOKENIZERS_PARALLELISM` allows) while this thread renders the next batch and
+  computes the labels of the previous one; at most three batches are held at once.
+  """
+  backend = _backend(tokenizer)
+  renderer = SpanRenderer(tokenizer, train_on=train_on)
+  contiguous = _contiguous_offsets(backend)
+  index = first_index
+
+  def rendered_batches():
+    nonlocal index
+    texts, spans = [], []
+    for record in records:
+      try:
+        text, span = renderer(record)
+      except ValueError as e:
+        raise ValueError(f"record {index}: {e}") from None
+      index += 1
+      texts.append(text)
+      spans.append(span)
+      if len(texts) == batch_size:
+        yield texts, spans
+        texts, spans = [], []
+    if texts:
+      yield texts, spans
+
+  encode = lambda texts: backend.encode_batch(texts, add_special_tokens=False)
+  with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+    pending = None  # (future of encodings, spans, index of its first record)
+    start = first_index
+    for texts, spans in rendered_batches():
+      submitted = (pool.submit(encode, texts), spans, start)
+      start += len(texts)
+      if pending is not None:
+        yield _labels_batch(pending[0].result(), pending[1], pending[2], max_length, contiguous)
+      pending = submitted
+    if pending is not None:
+      yield _labels_batch(pending[0].result(), pending[1], pending[2], max_length, contiguous)
+
+
+def _labels_batch(encodings, spans_of, first_index: int, max_length: int, contiguous: bool) -> EncodedBatch:
+  n = len(encodings)
+  lengths, full_lengths = np.zeros(n, np.int64), np.zeros(n, np.int64)
+  first_trained = np.full(n, -1, np.int64)
+  ids_out = array.array("i")
+  runs_out = []  # (flat offset, a, b) trained token ranges of kept examples
+  for j, (enc, spans) in enumerate(zip(encodings, spans_of)):
+    ids = enc.ids
+    full = full_lengths[j] = len(ids)
+    runs = _trained_runs(enc, spans, full) if contiguous else None
+    if runs is None:
+      labels = _labels_or_raise(ids, enc.offsets, spans, first_index + j)
+      trained = np.flatnonzero(labels != IGNORE_INDEX)
+      runs = _runs_of(trained)
+    keep = min(full, max_length)
+    kept_runs = [(a, min(b, keep)) for a, b in runs if a < keep]
+    if not kept_runs:
+      continue
+    base = len(ids_out)
+    ids_out.extend(ids[:keep])
+    lengths[j], first_trained[j] = keep, min(a for a, _ in kept_runs)
+    runs_out += [(base + a, base + b) for a, b in kept_runs]
+  token_ids = np.frombuffer(ids_out, dtype=np.int32) if len(ids_out) else np.zeros(0, np.int32)
+  trained = np.zeros(len(token_ids), dtype=bool)
+  for a, b in runs_out:
+    trained[a:b] = True
+  return EncodedBatch(token_ids, trained, lengths, full_lengths, first_trained)
+
+
+def _labels_or_raise(ids, offsets, spans, index: int) -> np.ndarray:
+  try:
+    return _labels_from_offsets(np.asarray(ids, dtype=np.int32), np.asarray(offsets, dtype=np.int64).reshape(-1, 2),
+                                spans)
+  except ValueError as e:
+    raise ValueError(f"record {index}: {e}") from None
+
+
+def _runs_of(positions: np.ndarray) -> list[tuple[int, int]]:
+  """Sorted positions -> maximal [a, b) runs of consecutive positions."""
+  if not len(positions):
+    return []
+  breaks = np.flatnonzero(np.diff(positions) != 1)
+  starts = np.concatenate([[positions[0]], positions[breaks + 1]])
+  ends = np.concatenate([positions[breaks], [positions[-1]]]) + 1
+  return list(zip(starts.tolist(), ends.tolist()))
+
+
 def tokenize_records(tokenizer, records: Sequence[dict], *, max_length: int, train_on: str = "all_assistant",
-                     batch_size: int = 256) -> TokenizedRecords:
-  """`tokenize_example` over many records, encoding `batch_size` texts per call (the Rust
-  tokenizer then uses its own threads where `TOKENIZERS_PARALLELISM` allows).
+                     batch_size: int = 512) -> TokenizedRecords:
+  """`tokenize_example` over many records, through `encode_batches` (one template render per
+  record, `batch_size` texts per `encode_batch` call).
 
   Returns:
     A `TokenizedRecords` (the examples and their lengths before truncation), to pass to
     `make_batches`, `batch_shapes` and `count_batches` so that none of them tokenizes again.
   """
-  backend = _backend(tokenizer)
   examples: list[dict | None] = []
-  full_lengths = np.zeros(len(records), dtype=np.int64)
-  for lo in range(0, len(records), batch_size):
-    rendered = []
-    for i, record in enumerate(records[lo:lo + batch_size], start=lo):
-      try:
-        rendered.append(render_with_spans(tokenizer, record, train_on=train_on))
-      except ValueError as e:
-        raise ValueError(f"record {i}: {e}") from None
-    encodings = backend.encode_batch([text for text, _ in rendered], add_special_tokens=False)
-    for j, ((_, spans), enc) in enumerate(zip(rendered, encodings)):
-      example, full_lengths[lo + j] = _finish(enc.ids, enc.offsets, spans, max_length)
-      examples.append(example)
-  return TokenizedRecords(examples, full_lengths, max_length, train_on)
+  full_lengths = []
+  for batch in encode_batches(tokenizer, records, max_length=max_length, train_on=train_on, batch_size=batch_size):
+    examples += batch.examples()
+    full_lengths.append(batch.full_lengths)
+  full = np.concatenate(full_lengths) if full_lengths else np.zeros(0, np.int64)
+  return TokenizedRecords(examples, full, max_length, train_on)
