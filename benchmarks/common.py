@@ -182,9 +182,10 @@ def train_config(*, lr: float = 1e-3, max_grad_norm: float = 1.0, chunked_loss: 
 class JaxsftStep:
   """jaxsft's train step as the trainer runs it: `CompiledSteps` (AOT per shape) on its mesh.
 
-  `warm_up(shapes)` compiles every shape (and the optimizer update) up front, like the trainer
-  before step 1; `step(batch)` runs one optimizer step on one micro-batch and returns the loss
-  (a float: the host waits for the step, as the trainer's metrics line does).
+  `warm_up(shapes)` compiles every shape up front, like the trainer before step 1 (the fused
+  one-dispatch `train_step`: one micro-batch per optimizer step); `step(batch)` runs one
+  optimizer step and returns the loss (a float: the host waits for the step; the trainer reads
+  it one step late instead).
   """
 
   def __init__(self, model, cfg, *, total_steps: int = 10_000, adapter_dir=None):
@@ -216,7 +217,7 @@ class JaxsftStep:
     """Compiles `shapes`; returns {"compiles", "xla_seconds", "seconds"} (wall, tracing included)."""
     keys = self.packed_keys if packed else ("input_ids", "attention_mask", "labels")
     count0, secs0, t0 = self.counter.count, self.counter.seconds, time.perf_counter()
-    self.steps.warm_up(sorted(shapes), keys, with_eval=False)
+    self.steps.warm_up(sorted(shapes), keys, with_eval=False, fused=True)
     return {"compiles": self.counter.count - count0, "xla_seconds": self.counter.seconds - secs0,
             "seconds": time.perf_counter() - t0}
 
@@ -226,9 +227,8 @@ class JaxsftStep:
     from jaxsft.step import BATCH_KEYS
 
     device_batch = self.mesh.put_batch({k: batch[k] for k in BATCH_KEYS if k in batch})
-    acc = self.steps.zeros(self.lora)
-    acc = self.steps.accumulate(acc, self.lora, self.frozen, device_batch, np.int32(self.index))
-    self.lora, self.opt_state, out = self.steps.apply(self.lora, self.opt_state, acc)
+    self.lora, self.opt_state, out = self.steps.train_step(self.lora, self.opt_state, self.frozen, device_batch,
+                                                           np.int32(self.index))
     self.index += 1
     return float(out["loss"])
 

@@ -160,3 +160,70 @@ def chunked_cross_entropy_sum(hidden: jax.Array, embedding: jax.Array, labels: j
   init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
   (nll_sum, n_valid), _ = jax.lax.scan(body, init, (hidden, targets))
   return nll_sum, n_valid
+
+
+def trained_cross_entropy_sum(hidden: jax.Array, embedding: jax.Array, labels: jax.Array, *,
+                              chunk_size: int = 256, max_chunks: int = 16,
+                              remat: bool = False) -> tuple[jax.Array, jax.Array]:
+  """`cross_entropy_sum(hidden @ embedding.T, labels)` with the LM head only where a label is trained.
+
+  A position whose (shifted) next label is -100 needs neither logits nor a loss. The
+  N = B * (T - 1) predicting positions are reordered so the trained ones come first (a stable
+  sort: their order is kept), then processed `chunk_size` at a time, each chunk under a
+  `lax.cond`: a chunk holds a trained position iff its start is below n_valid, and every chunk
+  after that is skipped (no (chunk, H) x (H, V) matmul, forward or backward). Nothing is
+  dropped whatever the batch holds (the static chunk count covers all N positions), so
+
+    nll_sum = Σ_{valid (b, t)} logsumexp(h[b, t] Eᵀ) - (h[b, t] Eᵀ)[y[b, t+1]]
+
+  is the same sum as the plain loss (up to float summation order), gradients included: the
+  gather's transpose scatters each trained position's gradient back to its place and leaves
+  exact zeros at the others. Works unchanged on packed rows (a segment's first label is -100).
+
+  Args:
+    hidden: (B, T, H) final-normed hidden states, in the compute dtype.
+    embedding: (V, H) output embedding (the LM head), in the compute dtype.
+    labels: (B, T), aligned with the inputs, -100 where not trained.
+    chunk_size: positions per LM-head matmul; the skip granularity.
+    max_chunks: at most this many chunks (larger ones for long batches): the program grows
+      with the chunk count.
+    remat: recompute each chunk's logits in the backward pass (`jax.checkpoint`) instead of
+      saving them: at most one (chunk_size, V) block alive, at the price of a second matmul.
+
+  Returns:
+    `(nll_sum, n_valid)` as `cross_entropy_sum`.
+  """
+  hidden, targets = _shift(hidden, labels)
+  hidden = hidden.reshape(-1, hidden.shape[-1])
+  targets = targets.reshape(-1)
+  n = targets.shape[0]
+  chunk_size = max(1, min(max(chunk_size, -(-n // max_chunks)), n))
+  valid = targets != IGNORE_INDEX
+  n_valid = valid.sum(dtype=jnp.int32)
+  # Trained positions first, padded with untrained ones to whole chunks.
+  order = jnp.argsort(~valid, stable=True)
+  pad = -n % chunk_size
+  order = jnp.pad(order, (0, pad))
+  sorted_targets = jnp.pad(targets, (0, pad), constant_values=IGNORE_INDEX)[order]
+  sorted_targets = jnp.where(jnp.arange(n + pad) < n_valid, sorted_targets, IGNORE_INDEX)
+  num_chunks = (n + pad) // chunk_size
+  sorted_hidden = jnp.take(hidden, order, axis=0).reshape(num_chunks, chunk_size, hidden.shape[-1])
+  sorted_targets = sorted_targets.reshape(num_chunks, chunk_size)
+
+  def chunk_nll(h, y):
+    nll, _ = _token_nll(h @ embedding.T, y)  # logits in the compute dtype, log-softmax in float32
+    return nll.sum()
+
+  if remat:
+    chunk_nll = jax.checkpoint(chunk_nll)
+
+  def skipped(h, y):
+    return jnp.zeros((), jnp.float32)
+
+  # A Python loop (not a scan): each chunk's residuals are its own buffers, where a scan would
+  # copy every chunk's logits into one stacked residual array.
+  total = jnp.zeros((), jnp.float32)
+  for index in range(num_chunks):
+    total = total + jax.lax.cond(index * chunk_size < n_valid, chunk_nll, skipped,
+                                 sorted_hidden[index], sorted_targets[index])
+  return total, n_valid

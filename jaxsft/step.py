@@ -2,13 +2,20 @@
 
     accumulate (per micro-batch):  Σ∇nll, Σ nll, Σ valid  +=  value_and_grad(nll_sum)(lora)
     apply      (once per step):    g = Σ∇nll / Σ valid  →  clip_by_global_norm  →  AdamW
+    train_step (grad_accum = 1):   apply(accumulate(zeros, batch)) as ONE executable
+
+`lora` is "the trainable params": whatever the caller split off the model with a filter (the
+LoRA factors, or every param for full fine-tuning); everything else is `frozen`, an input.
+The loss only runs the LM head where a label is trained (`loss.trained_cross_entropy_sum`).
 
 The step's loss is Σ token NLL / Σ valid tokens over all its micro-batches (and all devices: the
-sums run over the global, sharded batch), never a mean of per-batch means. Only the LoRA params
-(`nnx.LoRAParam`) are differentiated and carry optimizer state; the frozen weights are an input.
+sums run over the global, sharded batch), never a mean of per-batch means. Only the trainable
+params are differentiated and carry optimizer state.
 
-`CompiledSteps` compiles `accumulate` and `evaluate` once per batch shape before training and
-counts every XLA compile after that (JAX's own compile events), so a recompile is visible.
+`CompiledSteps` compiles `train_step` (or `accumulate`, with accumulation) and `evaluate` once
+per batch shape before training and counts every XLA compile after that (JAX's own compile
+events), so a recompile is visible. Every call only dispatches: nothing waits for the device
+until a caller reads a result.
 This module is what the trainer, the benchmarks and the tests share.
 """
 
@@ -120,6 +127,12 @@ class StepFunctions(NamedTuple):
   evaluate: Callable
 
 
+def loss_chunk_size() -> int:
+  """Positions per LM-head matmul: small on a CPU (finer skipping of untrained positions, still
+  matmul-efficient), larger on accelerators (fewer, bigger matmuls)."""
+  return 256 if jax.default_backend() == "cpu" else 1024
+
+
 def make_step_functions(graphdef, cfg: config_lib.TrainConfig, tx: optax.GradientTransformation,
                         schedule: optax.Schedule) -> StepFunctions:
   dropout = cfg.lora.dropout > 0
@@ -128,10 +141,11 @@ def make_step_functions(graphdef, cfg: config_lib.TrainConfig, tx: optax.Gradien
   def nll_sum(lora, frozen, batch, rng):
     model = nnx.merge(graphdef, lora, frozen)
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-    if cfg.model.chunked_loss:
-      hidden = model.hidden_states(**inputs, dropout_rng=rng)
-      return loss_lib.chunked_cross_entropy_sum(hidden, model.output_embedding(), batch["labels"])
-    return loss_lib.cross_entropy_sum(model(**inputs, dropout_rng=rng), batch["labels"])
+    hidden = model.hidden_states(**inputs, dropout_rng=rng)
+    # The LM head only at trained positions, in chunks; `chunked_loss` recomputes each chunk's
+    # logits in the backward pass instead of keeping them (memory for compute).
+    return loss_lib.trained_cross_entropy_sum(hidden, model.output_embedding(), batch["labels"],
+                                              chunk_size=loss_chunk_size(), remat=cfg.model.chunked_loss)
 
   def zeros(lora):
     return {"grads": jax.tree.map(jnp.zeros_like, lora), "nll": jnp.zeros((), jnp.float32),
@@ -165,10 +179,14 @@ def make_step_functions(graphdef, cfg: config_lib.TrainConfig, tx: optax.Gradien
 
 
 class CompiledSteps:
-  """`StepFunctions` compiled ahead of time, `accumulate`/`evaluate` once per batch shape.
+  """`StepFunctions` compiled ahead of time, once per batch shape.
 
-  A call with a shape that was not warmed up falls back to `jax.jit` (and is recorded in
-  `unexpected_shapes`); `recompiles` counts the XLA compiles that happened inside step calls.
+  `train_step` (one micro-batch per optimizer step) is zeros → accumulate → apply fused into one
+  executable, the LoRA params and optimizer state donated. With accumulation the micro-batches
+  chain `accumulate` calls on the device (the accumulator donated) and `apply` finishes the
+  step; no call waits for the device. A call with a shape that was not warmed up falls back to
+  `jax.jit` (and is recorded in `unexpected_shapes`); `recompiles` counts the XLA compiles that
+  happened inside step calls.
   """
 
   def __init__(self, fns: StepFunctions, lora, opt_state, frozen, mesh: sharding_lib.MeshContext):
@@ -177,10 +195,15 @@ class CompiledSteps:
     # without out_shardings, constant outputs (zeros, counters) would land on one device and
     # clash with the mesh-wide inputs of the next call.
     rep = mesh.replicated
+
+    def train_step(lora, opt_state, frozen, batch, micro_index):
+      return fns.apply(lora, opt_state, fns.accumulate(fns.zeros(lora), lora, frozen, batch, micro_index))
+
     self._jit = {
         "zeros": jax.jit(fns.zeros, out_shardings=rep),
         "accumulate": jax.jit(fns.accumulate, donate_argnums=0, out_shardings=rep),
         "apply": jax.jit(fns.apply, donate_argnums=(0, 1), out_shardings=rep),
+        "train_step": jax.jit(train_step, donate_argnums=(0, 1), out_shardings=rep),
         "evaluate": jax.jit(fns.evaluate, out_shardings=rep),
     }
     self._compiled: dict[Any, Any] = {}
@@ -189,19 +212,33 @@ class CompiledSteps:
     self.recompiles = 0
     self._counter = compile_counter()
 
-  def warm_up(self, shapes: list[tuple[int, int]], keys: tuple[str, ...], with_eval: bool) -> None:
-    """Compiles zeros and apply, and accumulate (+ evaluate) for every (B, T) in `shapes`."""
-    acc = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                       self._jit["zeros"](self._lora))
-    self._compiled["zeros"] = self._jit["zeros"].lower(self._lora).compile()
-    self._compiled["apply"] = self._jit["apply"].lower(self._lora, self._opt_state, acc).compile()
+  def _spec(self, shape, keys):
+    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.mesh.batch_sharding) for k in keys}
+
+  def warm_up(self, shapes: list[tuple[int, int]], keys: tuple[str, ...], with_eval: bool, *,
+              fused: bool = False) -> None:
+    """Compiles, for every (B, T) in `shapes`, `train_step` (`fused`: one micro-batch per step)
+    or `accumulate` (then zeros and apply once), and `evaluate` when `with_eval`."""
     micro = jax.ShapeDtypeStruct((), jnp.int32)
+    if not fused:
+      acc = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                         self._jit["zeros"](self._lora))
+      self._compiled["zeros"] = self._jit["zeros"].lower(self._lora).compile()
+      self._compiled["apply"] = self._jit["apply"].lower(self._lora, self._opt_state, acc).compile()
     for shape in shapes:
-      spec = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.mesh.batch_sharding) for k in keys}
-      self._compiled[("accumulate", shape)] = self._jit["accumulate"].lower(
-          acc, self._lora, self._frozen, spec, micro).compile()
+      spec = self._spec(shape, keys)
+      if fused:
+        self._compiled[("train_step", shape)] = self._jit["train_step"].lower(
+            self._lora, self._opt_state, self._frozen, spec, micro).compile()
+      else:
+        self._compiled[("accumulate", shape)] = self._jit["accumulate"].lower(
+            acc, self._lora, self._frozen, spec, micro).compile()
       if with_eval:
         self._compiled[("evaluate", shape)] = self._jit["evaluate"].lower(self._lora, self._frozen, spec).compile()
+
+  def compiled(self, name: str, shape: tuple[int, int] | None = None):
+    """The AOT-compiled executable (`.as_text()`, `.cost_analysis()`), after `warm_up`."""
+    return self._compiled[name if shape is None else (name, tuple(shape))]
 
   def _call(self, key, *args):
     fn = self._compiled.get(key)
@@ -221,6 +258,10 @@ class CompiledSteps:
 
   def apply(self, lora, opt_state, acc):
     return self._call("apply", lora, opt_state, acc)
+
+  def train_step(self, lora, opt_state, frozen, batch, micro_index):
+    """(lora, opt_state, out) after one optimizer step on one micro-batch: one dispatch."""
+    return self._call(("train_step", batch["input_ids"].shape), lora, opt_state, frozen, batch, micro_index)
 
   def evaluate(self, lora, frozen, batch):
     return self._call(("evaluate", batch["input_ids"].shape), lora, frozen, batch)

@@ -165,3 +165,55 @@ def test_per_example_nll_by_segment():
 def test_combine_sums_rejects_empty():
   with pytest.raises(ValueError, match="no"):
     loss.combine_sums([])
+
+
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("chunk_size", [1, 4, 7, 1000])
+@pytest.mark.parametrize("p_ignore", [0.0, 0.6, 1.0])
+def test_trained_positions_loss_matches_plain_value_and_gradients(chunk_size, remat, p_ignore):
+  """Only trained positions get logits; all-trained batches (more than any fixed capacity) and
+  nothing-trained batches included: the same sum, count and gradients as every position."""
+  rng = np.random.default_rng(7)
+  b, t, h, v = 3, 11, 8, 37
+  hidden = jnp.asarray(rng.normal(size=(b, t, h)), jnp.float32)
+  emb = jnp.asarray(rng.normal(size=(v, h)), jnp.float32)
+  labels = rng.integers(0, v, size=(b, t)).astype(np.int32)
+  labels[rng.random((b, t)) < p_ignore] = -100
+
+  def plain(hd, e):
+    return loss.normalize_by_valid(*loss.cross_entropy_sum(hd @ e.T, labels))
+
+  def trained(hd, e):
+    return loss.normalize_by_valid(*loss.trained_cross_entropy_sum(hd, e, labels, chunk_size=chunk_size, remat=remat))
+
+  with jax.default_matmul_precision("highest"):
+    v1, g1 = jax.jit(jax.value_and_grad(plain, argnums=(0, 1)))(hidden, emb)
+    v2, g2 = jax.jit(jax.value_and_grad(trained, argnums=(0, 1)))(hidden, emb)
+  np.testing.assert_allclose(float(v2), float(v1), rtol=1e-6)
+  for a, c in zip(g1, g2):
+    np.testing.assert_allclose(np.asarray(c), np.asarray(a), rtol=1e-5, atol=1e-7)
+  # untrained positions get exactly zero gradient
+  untrained = np.concatenate([labels[:, 1:] == -100, np.ones((b, 1), bool)], axis=1)
+  assert np.all(np.asarray(g2[0])[untrained] == 0)
+  assert int(loss.trained_cross_entropy_sum(hidden, emb, labels, chunk_size=chunk_size)[1]) == \
+      int(loss.cross_entropy_sum(hidden @ emb.T, labels)[1])
+
+
+def test_trained_positions_loss_skips_chunks_without_a_trained_label():
+  """The LM head matmul sits in a `cond` per chunk: XLA's program has a conditional, and the
+  hidden state of an untrained position past the last trained chunk never reaches the head
+  (a NaN there leaves the sums and the embedding gradient finite)."""
+  rng = np.random.default_rng(1)
+  b, t, h, v = 2, 16, 8, 13
+  hidden = np.asarray(rng.normal(size=(b, t, h)), np.float32)
+  emb = jnp.asarray(rng.normal(size=(v, h)), jnp.float32)
+  labels = np.full((b, t), -100, np.int32)
+  labels[0, 1:4] = rng.integers(0, v, 3)  # 3 trained positions: one chunk of 4
+  hidden[1, 5:] = np.nan  # untrained, sorted past the first chunk
+  f = jax.jit(jax.value_and_grad(lambda hd, e, y: loss.trained_cross_entropy_sum(hd, e, y, chunk_size=4)[0],
+                                 argnums=(0, 1)))
+  assert "conditional" in f.lower(hidden, emb, labels).compile().as_text()
+  value, (g_hidden, g_emb) = f(jnp.asarray(hidden), emb, labels)
+  assert np.isfinite(float(value)) and np.all(np.isfinite(np.asarray(g_emb)))
+  plain = jax.grad(lambda e: loss.cross_entropy_sum(jnp.asarray(hidden) @ e.T, labels)[0])(emb)
+  assert not np.all(np.isfinite(np.asarray(plain)))  # every position's logits: the NaN reaches E

@@ -126,6 +126,64 @@ def test_attention_implementations_agree():
   np.testing.assert_allclose(np.asarray(a)[real], np.asarray(b)[real], rtol=2e-5, atol=2e-4)
 
 
+@pytest.mark.parametrize("sliding_window", [None, 3, 6])
+@pytest.mark.parametrize("packed", [False, True])
+def test_causal_block_skipping_equals_dense_attention(sliding_window, packed):
+  """"xla" computes causal self-attention per query block over the keys it can see; padding,
+  packed segments and the sliding window give the dense result, forward and gradients."""
+  cfg = llama.LlamaConfig(**{**TINY.__dict__, "model_type": "mistral", "sliding_window": sliding_window})
+  weights = llama.to_hf_state_dict(tiny_model())
+  dense = llama.from_hf_state_dict(cfg, weights, attention="dense")
+  blocked = llama.from_hf_state_dict(cfg, weights, attention="xla", causal_block=4)
+  x = ids(2, 14)
+  mask = np.ones_like(x)
+  mask[1, 11:] = 0  # right padding
+  mask[0, 5] = 0  # a pad inside the row
+  seg = pos = None
+  if packed:
+    seg = np.array([[1] * 6 + [2] * 8, [1] * 3 + [2] * 5 + [3] * 3 + [0] * 3], np.int32)
+    pos = np.concatenate([np.arange(6), np.arange(8)])[None].repeat(2, 0).astype(np.int32)
+  labels = np.where(mask == 1, x, -100)
+
+  def f(m):
+    return loss.masked_cross_entropy(m(x, attention_mask=mask, positions=pos, segment_ids=seg), labels)
+
+  (v1, g1), (v2, g2) = nnx.value_and_grad(f)(dense), nnx.value_and_grad(f)(blocked)
+  real = mask == 1
+  np.testing.assert_allclose(np.asarray(blocked(x, attention_mask=mask, positions=pos, segment_ids=seg))[real],
+                             np.asarray(dense(x, attention_mask=mask, positions=pos, segment_ids=seg))[real],
+                             rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(float(v2), float(v1), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-4)
+
+
+def test_causal_block_skipping_computes_less():
+  """At T = 4 blocks the attention does 10/16 of the dense score work (XLA's own flop count)."""
+  b, t, n, d = 2, 64, 4, 8
+  q = jax.ShapeDtypeStruct((b, t, n, d), jnp.float32)
+  kv = jax.ShapeDtypeStruct((b, t, 2, d), jnp.float32)
+  mask = llama.attention_mask_4d(b, t, None, None, None)
+
+  def flops(fn):
+    return jax.jit(lambda q, k, v: fn(q, k, v, mask, 0.3)).lower(q, kv, kv).compile().cost_analysis()["flops"]
+
+  blocked = flops(lambda *a: llama.causal_block_attention(*a, block=16, sliding_window=None))
+  dense = flops(llama.dense_attention)
+  assert blocked < 0.75 * dense
+
+
+def test_auto_dtype_is_float32_on_cpu_and_bfloat16_on_accelerators(monkeypatch):
+  from jaxsft import config as config_lib
+
+  assert config_lib.TrainConfig().model.dtype == "auto"
+  assert llama.resolve_dtype("auto") == jnp.float32  # the tests run on a CPU
+  assert tiny_model(dtype="auto").layers.self_attn.q_proj.kernel.dtype == jnp.float32
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert llama.resolve_dtype("auto") == jnp.bfloat16
+  assert llama.resolve_dtype("float32") == jnp.float32
+
+
 def test_attention_mask_hides_a_visible_pad():
   """A pad in the middle of a row (seen by later queries under a causal mask) must not matter."""
   model = tiny_model()

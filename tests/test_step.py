@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from jaxsft import config as config_lib
@@ -36,3 +37,90 @@ def test_logged_lr_is_the_rate_adamw_used_after_a_skipped_step():
   expected = [float(schedule(c)) for c in (0, 1, 1, 2)]
   assert lrs == expected and expected[2] != float(schedule(2))
   assert int(step_lib.updates_applied(opt_state)) == 3
+
+
+def _setup(model, cfg=None, total_steps=10):
+  from jaxsft import sharding
+
+  cfg = cfg or config_lib.TrainConfig()
+  lora.apply_lora(model, r=2, alpha=4, seed=1)
+  graphdef, params, frozen = nnx.split(model, nnx.LoRAParam, ...)
+  schedule = step_lib.make_schedule(cfg.optim, total_steps)
+  tx = step_lib.make_optimizer(cfg.optim, schedule)
+  fns = step_lib.make_step_functions(graphdef, cfg, tx, schedule)
+  return cfg, graphdef, params, frozen, tx, fns, sharding.make_mesh_context(cfg.mesh)
+
+
+def _batch(b, t, vocab, seed=0, packed=False):
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(3, vocab, (b, t)).astype(np.int32)
+  mask = np.ones((b, t), np.int32)
+  mask[1, t - 5:] = 0
+  labels = np.where(mask == 1, ids, -100)
+  labels[:, : t // 2] = -100  # the prompt half is not trained
+  batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+  if packed:
+    half = t // 2
+    batch["segment_ids"] = np.where(np.arange(t) < half, 1, 2).astype(np.int32)[None].repeat(b, 0) * mask
+    batch["positions"] = np.where(np.arange(t) < half, np.arange(t), np.arange(t) - half).astype(np.int32)[None].repeat(b, 0)
+    batch["labels"][:, half] = -100
+  return batch
+
+
+def _full_logits_sums(graphdef, params, frozen, batch):
+  """The reference: logits at every position, then the masked cross-entropy."""
+  from jaxsft import loss
+
+  model = nnx.merge(graphdef, params, frozen)
+  inputs = {k: batch[k] for k in step_lib.MODEL_INPUTS if k in batch}
+  return loss.cross_entropy_sum(model(**inputs), batch["labels"])
+
+
+def _compare_with_full_logits(model, batch, rtol):
+  cfg, graphdef, params, frozen, tx, fns, _ = _setup(model)
+  acc = jax.jit(fns.accumulate)(fns.zeros(params), params, frozen, batch, np.int32(0))
+  (nll, n), grads = jax.jit(jax.value_and_grad(
+      lambda p: _full_logits_sums(graphdef, p, frozen, batch), has_aux=True))(params)
+  assert int(acc["n_valid"]) == int(n) > 0
+  np.testing.assert_allclose(float(acc["nll"]), float(nll), rtol=rtol)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(acc["grads"])):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=rtol, atol=rtol * float(jnp.abs(a).max()))
+  ev = jax.jit(fns.evaluate)(params, frozen, batch)
+  np.testing.assert_allclose(float(ev[0]), float(nll), rtol=rtol)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_trained_positions_step_equals_full_logits_loss(packed):
+  """The step's LM head only at trained positions: same Σ nll, count and LoRA gradients as
+  logits everywhere (tiny model, bucket padding, a prompt half, packed rows)."""
+  with jax.default_matmul_precision("highest"):
+    _compare_with_full_logits(models.init_random(TINY, seed=0), _batch(3, 40, TINY.vocab_size, packed=packed), 1e-5)
+
+
+@pytest.mark.slow
+def test_trained_positions_step_equals_full_logits_loss_on_the_real_model(shared_data):
+  model, _ = models.load_model("smollm2-135m-instruct", dtype="float32")
+  _compare_with_full_logits(model, _batch(2, 96, model.config.vocab_size, seed=3), 2e-4)
+
+
+def test_fused_train_step_is_one_executable_equal_to_accumulate_then_apply():
+  """grad_accum 1: one compiled executable per shape whose result is accumulate → apply's."""
+  cfg, graphdef, params, frozen, tx, fns, mesh = _setup(models.init_random(TINY, seed=0))
+  batch = mesh.put_batch(_batch(2, 24, TINY.vocab_size))
+  keys = ("input_ids", "attention_mask", "labels")
+  copy = lambda tree: jax.tree.map(jnp.copy, tree)
+  fused = step_lib.CompiledSteps(fns, mesh.replicate(params), jax.jit(tx.init)(params), frozen, mesh)
+  counter = step_lib.compile_counter()
+  before = counter.count
+  fused.warm_up([(2, 24)], keys, with_eval=False, fused=True)
+  assert counter.count - before == 1  # the whole step: zeros, accumulate and apply in one
+  split = step_lib.CompiledSteps(fns, mesh.replicate(params), jax.jit(tx.init)(params), frozen, mesh)
+  split.warm_up([(2, 24)], keys, with_eval=False)
+  p1, o1, p2, o2 = copy(params), tx.init(params), copy(params), tx.init(params)
+  for i in range(3):
+    p1, o1, out1 = fused.train_step(p1, o1, frozen, batch, np.int32(i))
+    p2, o2, out2 = split.apply(p2, o2, split.accumulate(split.zeros(p2), p2, frozen, batch, np.int32(i)))
+    assert float(out1["loss"]) == pytest.approx(float(out2["loss"]), rel=1e-6)
+  for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+  assert fused.recompiles == 0 and split.recompiles == 0 and not fused.unexpected_shapes

@@ -158,6 +158,14 @@ def to_hf_config(config: LlamaConfig) -> dict[str, Any]:
   return out
 
 
+def resolve_dtype(dtype) -> jnp.dtype:
+  """The compute dtype: "auto" is bfloat16 on a GPU or TPU (LoRA params and optimizer state
+  stay float32) and float32 on a CPU (no fast 16-bit matmuls there); any other name as given."""
+  if isinstance(dtype, str) and dtype == "auto":
+    return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+  return jnp.dtype(dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # RoPE, masks, attention
 
@@ -258,12 +266,64 @@ def einsum_attention(q, k, v, mask, scale):
   return out.reshape(b, t, n, d)
 
 
-def xla_attention(q, k, v, mask, scale):
-  """`jax.nn.dot_product_attention` (XLA implementation; handles GQA and float32 softmax)."""
+def dense_attention(q, k, v, mask, scale):
+  """`jax.nn.dot_product_attention`, XLA implementation, every (query, key) pair computed
+  (handles GQA and float32 softmax)."""
   return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="xla")
 
 
-ATTENTION = {"einsum": einsum_attention, "xla": xla_attention}
+def causal_block_attention(q, k, v, mask, scale, *, block: int, sliding_window: int | None):
+  """`dense_attention` of causal self-attention, query block by query block, over only the keys
+  a block can see: [max(0, start - window + 1), stop) for queries [start, stop).
+
+  The key blocks above the diagonal (and, with a window, those behind it) are never computed:
+  for T = n·block that is (n + 1) / 2n of the dense work, e.g. 36/64 at T = 512, block 64.
+  `mask` (B, 1, T, T) still applies inside each block (padding, packed segments), so the
+  result is the dense one whenever `mask` is causal (and windowed by `sliding_window`).
+  """
+  t = q.shape[1]
+  if t <= block:
+    return dense_attention(q, k, v, mask, scale)
+  outs = []
+  for start in range(0, t, block):
+    stop = min(start + block, t)
+    first_key = 0 if sliding_window is None else max(0, start - sliding_window + 1)
+    outs.append(dense_attention(q[:, start:stop], k[:, first_key:stop], v[:, first_key:stop],
+                                mask[:, :, start:stop, first_key:stop], scale))
+  return jnp.concatenate(outs, axis=1)
+
+
+def cudnn_attention(q, k, v, mask, scale, *, sliding_window: int | None):
+  """cuDNN flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`) for causal
+  self-attention in 16-bit floats on an NVIDIA GPU: causal and window blocks are skipped by the
+  kernel (`is_causal`, `local_window_size`), `mask` adds padding and packed segments."""
+  window = None if sliding_window is None else (sliding_window - 1, 0)
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=True,
+                                      local_window_size=window, implementation="cudnn")
+
+
+def self_attention(q, k, v, mask, scale, *, block: int, sliding_window: int | None):
+  """Causal self-attention (no cache) by the fastest path the backend offers.
+
+  GPU with bfloat16/float16: cuDNN (`cudnn_attention`); anywhere else, or when cuDNN refuses
+  the shapes while tracing: `causal_block_attention`.
+  """
+  if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+    try:
+      return cudnn_attention(q, k, v, mask, scale, sliding_window=sliding_window)
+    except (NotImplementedError, ValueError, RuntimeError):  # e.g. a head size cuDNN lacks
+      pass
+  return causal_block_attention(q, k, v, mask, scale, block=block, sliding_window=sliding_window)
+
+
+def xla_attention(q, k, v, mask, scale):
+  """The "xla" attention with a cache (decoding) or any non-causal mask: `dense_attention`."""
+  return dense_attention(q, k, v, mask, scale)
+
+
+# name -> attention over a KV cache / any mask. Without a cache, "xla" runs `self_attention`
+# (causal block skipping, cuDNN on a GPU); "dense" always computes every pair.
+ATTENTION = {"einsum": einsum_attention, "xla": xla_attention, "dense": dense_attention}
 
 REMAT_POLICIES: dict[str, Callable | None] = {
     "full": None,  # save nothing: recompute the whole layer in the backward pass
@@ -327,7 +387,8 @@ class RMSNorm(nnx.Module):
 
 class Attention(nnx.Module):
 
-  def __init__(self, config: LlamaConfig, *, stack, dtype, attention: str, rngs: nnx.Rngs):
+  def __init__(self, config: LlamaConfig, *, stack, dtype, attention: str, rngs: nnx.Rngs,
+               causal_block: int = 64):
     h, d = config.hidden_size, config.head_dim
     kw = dict(stack=stack, dtype=dtype, rngs=rngs)
     self.q_proj = Linear(h, config.num_heads * d, bias=config.qkv_bias, rng_index=0, **kw)
@@ -336,6 +397,8 @@ class Attention(nnx.Module):
     self.o_proj = Linear(config.num_heads * d, h, bias=config.o_bias, rng_index=3, **kw)
     self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
     self.attention = attention
+    self.causal_block = causal_block
+    self.sliding_window = config.sliding_window
 
   def __call__(self, x, cos, sin, mask, dropout_rng=None, cache: KVCache | None = None,
                cache_start=0) -> tuple[jax.Array, KVCache | None]:
@@ -350,10 +413,14 @@ class Attention(nnx.Module):
     k = self.k_proj(x, dropout_rng).reshape(b, t, self.num_kv_heads, self.head_dim)
     v = self.v_proj(x, dropout_rng).reshape(b, t, self.num_kv_heads, self.head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    scale = self.head_dim ** -0.5
     if cache is not None:
       cache = cache.write(k, v, cache_start)
-      k, v = cache.keys, cache.values
-    out = ATTENTION[self.attention](q, k, v, mask, self.head_dim ** -0.5)
+      out = ATTENTION[self.attention](q, cache.keys, cache.values, mask, scale)
+    elif self.attention == "xla":  # causal self-attention: `mask` is causal (attention_mask_4d)
+      out = self_attention(q, k, v, mask, scale, block=self.causal_block, sliding_window=self.sliding_window)
+    else:
+      out = ATTENTION[self.attention](q, k, v, mask, scale)
     return self.o_proj(out.reshape(b, t, -1), dropout_rng), cache
 
 
@@ -374,10 +441,12 @@ class MLP(nnx.Module):
 
 class DecoderLayer(nnx.Module):
 
-  def __init__(self, config: LlamaConfig, *, stack, dtype, attention: str, rngs: nnx.Rngs):
+  def __init__(self, config: LlamaConfig, *, stack, dtype, attention: str, rngs: nnx.Rngs,
+               causal_block: int = 64):
     eps = config.rms_norm_eps
     self.input_layernorm = RMSNorm(config.hidden_size, eps, stack=stack, dtype=dtype)
-    self.self_attn = Attention(config, stack=stack, dtype=dtype, attention=attention, rngs=rngs)
+    self.self_attn = Attention(config, stack=stack, dtype=dtype, attention=attention, rngs=rngs,
+                               causal_block=causal_block)
     self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, stack=stack, dtype=dtype)
     self.mlp = MLP(config, stack=stack, dtype=dtype, rngs=rngs)
 
@@ -394,26 +463,30 @@ class CausalLM(nnx.Module):
 
   Args:
     config: the architecture.
-    dtype: parameter and compute dtype (float32 or bfloat16). LoRA params stay float32.
-    attention: "xla" (`jax.nn.dot_product_attention`) or "einsum".
+    dtype: parameter and compute dtype (float32, bfloat16, or "auto": see `resolve_dtype`).
+      LoRA params stay float32.
+    attention: "xla" (`jax.nn.dot_product_attention`; causal self-attention skips the key
+      blocks above the diagonal, see `self_attention`, and runs cuDNN on a GPU in 16-bit),
+      "dense" (the same API, every pair computed) or "einsum" (a plain reference).
     remat: None, a name in `REMAT_POLICIES`, or a `jax.checkpoint` policy callable: recompute
       each layer in the backward pass (less activation memory for long sequences).
+    causal_block: query block size of the causal block skipping ("xla" on CPU).
   """
 
   def __init__(self, config: LlamaConfig, *, dtype="float32", attention: str = "xla",
-               remat: str | Callable | None = None, rngs: nnx.Rngs):
+               remat: str | Callable | None = None, causal_block: int = 64, rngs: nnx.Rngs):
     if attention not in ATTENTION:
       raise ValueError(f"attention must be one of {sorted(ATTENTION)}, got {attention!r}")
     if isinstance(remat, str) and remat not in REMAT_POLICIES:
       raise ValueError(f"remat must be None, a callable or one of {sorted(REMAT_POLICIES)}, got {remat!r}")
-    dtype = jnp.dtype(dtype)
+    dtype = resolve_dtype(dtype)
     self.config = config
     self.dtype = dtype
     self.remat = remat
     self.embed_tokens = nnx.Param(
         nnx.initializers.normal(0.02)(rngs.params(), (config.vocab_size, config.hidden_size), dtype))
     self.layers = DecoderLayer(config, stack=(config.num_layers,), dtype=dtype, attention=attention,
-                               rngs=rngs)
+                               rngs=rngs, causal_block=causal_block)
     self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, stack=(), dtype=dtype)
     self.lm_head = None if config.tie_word_embeddings else nnx.Param(
         nnx.initializers.normal(0.02)(rngs.params(), (config.vocab_size, config.hidden_size), dtype))
@@ -494,7 +567,7 @@ def from_hf_state_dict(config: LlamaConfig, tensors: Mapping[str, np.ndarray], *
   Every expected tensor must be present with the HF shape and every given tensor must be used
   (rotary buffers excepted): a mismatch is an error naming the tensor and `source`.
   """
-  dtype = jnp.dtype(dtype)
+  dtype = resolve_dtype(dtype)
   model = nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, rngs=nnx.Rngs(0), **kwargs))
   used: set[str] = set()
 

@@ -47,3 +47,27 @@ def test_nothing_valid_is_zero_where_torch_is_nan():
   t = torch.nn.functional.cross_entropy(torch.ones(8, 7), torch.full((8,), -100), ignore_index=-100)
   assert torch.isnan(t)  # torch's mean over zero tokens; jaxsft defines it as 0 with zero gradients
   assert float(value) == 0.0 and np.all(np.asarray(grad) == 0)
+
+
+def test_trained_positions_loss_matches_torch_on_every_position(examples):
+  """The step's loss (LM head only at trained positions) against torch's cross-entropy over the
+  logits of every position: value and gradients w.r.t. the hidden states and the embedding."""
+  batch = batch_of(examples[:3], buckets=(128,), batch_size=4)
+  labels = batch["labels"]
+  rng = np.random.default_rng(1)
+  hidden = (rng.normal(size=(*labels.shape, 64))).astype(np.float32)
+  emb = (rng.normal(size=(49152, 64)) * 0.3).astype(np.float32)
+
+  def jax_loss(h, e):
+    return loss.normalize_by_valid(*loss.trained_cross_entropy_sum(h, e, labels, chunk_size=128))
+
+  value, (g_h, g_e) = jax.jit(jax.value_and_grad(jax_loss, argnums=(0, 1)))(jnp.asarray(hidden), jnp.asarray(emb))
+  t_h = torch.tensor(hidden, dtype=torch.float64, requires_grad=True)
+  t_e = torch.tensor(emb, dtype=torch.float64, requires_grad=True)
+  logits = t_h @ t_e.T
+  ref = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 49152),
+                                          torch.tensor(labels[:, 1:], dtype=torch.long).reshape(-1), ignore_index=-100)
+  ref.backward()
+  assert rel_err(value, ref.item()) <= 1e-6
+  assert rel_err(g_h, t_h.grad.numpy()) <= 1e-5
+  assert rel_err(g_e, t_e.grad.numpy()) <= 1e-5
