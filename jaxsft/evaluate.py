@@ -67,14 +67,17 @@ def base_of(model):
   return nnx.merge(graphdef, jax.tree.map(jax.numpy.zeros_like, lora), rest)
 
 
-def compare_base_and_tuned(model, tokenizer, records: Sequence[dict], cfg) -> dict[str, Any]:
-  """Generate with base and tuned on the first `num_prompts` held-out records; loss and score."""
+def compare_base_and_tuned(model, tokenizer, records: Sequence[dict], cfg, base=None) -> dict[str, Any]:
+  """Generate with base and tuned on the first `num_prompts` held-out records; loss and score.
+
+  `base`: the untuned model (full fine-tuning); None: `model` with its LoRA zeroed.
+  """
   from jaxsft.generate import generate
 
   records = list(records)[: cfg.eval.num_prompts]
   prompts = [prompt_messages(r) for r in records]
   out: dict[str, Any] = {}
-  for name, m in (("base", base_of(model)), ("tuned", model)):
+  for name, m in (("base", base_of(model) if base is None else base), ("tuned", model)):
     generations = generate(m, tokenizer, prompts, max_new_tokens=cfg.eval.max_new_tokens)
     out[name] = task_score(records, generations)
     out[name]["generations"] = generations
@@ -109,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
   from jaxsft import models, run_files
 
   run = pathlib.Path(args.run_dir)
-  for name in ("config.json", "heldout.json", "adapter"):
+  full = (run / "model" / "config.json").is_file()  # a full fine-tuning run
+  for name in ("config.json", "heldout.json", "model" if full else "adapter"):
     if not (run / name).exists():
       print(f"error: {run / name} is missing: {run} is not a finished jaxsft run", file=sys.stderr)
       return 2
@@ -118,10 +122,16 @@ def main(argv: list[str] | None = None) -> int:
     cfg.eval.num_prompts = args.num_prompts
   if args.max_new_tokens:
     cfg.eval.max_new_tokens = args.max_new_tokens
-  model, tokenizer = models.load_model(cfg.model.name, dtype=cfg.model.dtype)
-  lora_lib.load_adapter(model, str(run / "adapter"))
+  dtype = cfg.model.dtype
+  base = None
+  if full:
+    model, tokenizer = models.load_model(str(run / "model"), dtype=dtype)
+    base = models.load_causal_lm(cfg.model.name, dtype=dtype)
+  else:
+    model, tokenizer = models.load_model(cfg.model.name, dtype=dtype)
+    lora_lib.load_adapter(model, str(run / "adapter"))
   records = json.loads((run / "heldout.json").read_text())
-  out = compare_base_and_tuned(model, tokenizer, records, cfg)
+  out = compare_base_and_tuned(model, tokenizer, records, cfg, base=base)
   run_files.write_json(run / "evaluation.json", out)
   return 0
 

@@ -13,7 +13,7 @@ def test_defaults_and_overrides_in_every_form():
   assert cfg.data.field_map == {"output": "response"} and cfg.data.batching == "packed"
   # No --config: the embedded default run (configs/default.yaml links to it).
   assert c.parse_args([]) == c.load_yaml(c.DEFAULT_CONFIG)
-  assert c.parse_args([]).data.path is None and c.parse_args([]).optim.lr == 1e-3
+  assert c.parse_args([]).data.path is None and c.parse_args([]).optim.lr == 2e-3
   assert c.TrainConfig().optim.lr == 2e-4  # the library default
 
 

@@ -1,27 +1,26 @@
 """The embedded default dataset: short instruction tasks with answers a program can check.
 
 `make_dataset(n, seed=...)` generates `n` chat records deterministically. Record `i` depends only
-on `(seed, i)`, so `make_dataset(100)` is a prefix of `make_dataset(1000)` and a held-out split is
-simply another seed. Every reply is exactly one line, `Answer: <x>`: the base model rarely answers
-in that form, so an untuned model scores low mostly on format, and a LoRA run of a few dozen steps
-learns the format (and part of the tasks).
+on `(seed, i)`, so `make_dataset(100)` is a prefix of `make_dataset(1000)`. Every reply is
+exactly one line, `Answer: <x>`: the base model never answers in that form, so it scores ~0,
+and the answer itself has to be found in the prompt, so a tuned model scores only by doing the
+task. The tasks are ones a 135M model learns in one LoRA epoch of a few dozen steps: each
+answer is copied (looked up, or upper-cased) from the prompt.
 
 Tasks (drawn uniformly):
 
-  add            "What is 17 + 45?"                         -> Answer: 62
-  count_words    "How many words are in this text? ..."     -> Answer: 7
-  count_letter   "How many times does 'r' appear in ..."    -> Answer: 3
-  reverse        "Reverse the word 'cat'."                  -> Answer: tac
-  uppercase      "Convert to uppercase: good morning"       -> Answer: GOOD MORNING
-  largest        "Which number is the largest? 3, 17, 9"    -> Answer: 17
-  last_word      "What is the last word in this list? ..."  -> Answer: river
+  lookup      "Codes:\nriver: 417\nstone: 932\n...\nWhich code belongs to stone?"  -> Answer: 932
+  word_after  "Which word comes right after 'cat' in this list? dog, cat, sun"     -> Answer: sun
+  last_word   "What is the last word in this list? ..."                          -> Answer: river
+  uppercase   "Convert this phrase to uppercase: good morning"                   -> Answer: GOOD MORNING
 
-The list/passage tasks (`count_words`, `largest`, `last_word`) are long with probability
-`_LONG_PROB`, sized by a log-uniform token budget of 100-700, which gives the length
-distribution a tail. Measured with the SmolLM2 chat template (default system prompt included)
-on 2000 records: median 51 tokens, 91% within 40-120, 8% over 150, 1.2% over 600, max ~830,
-mean 80 (the tail holds ~40% of all tokens). That is what makes length bucketing matter.
-Replies are at most 12 tokens.
+Lookup keys and word_after lists are distinct words, so every answer is determined. The list
+tasks are long with probability `_LONG_PROB`, sized by a log-uniform token budget of 100-450,
+which gives the length distribution a tail. Measured with the SmolLM2 chat template (default
+system prompt included) on 2000 records: median 57 tokens, 91% within 40-120, 8.7% over 150,
+max ~500 (within the default max_length 512), mean ~81; the tail holds ~30% of all
+tokens. That is what makes length bucketing matter. Replies are at most 13 tokens (end-of-turn
+included).
 
 `score(record, text)` is an exact match: the reply (trailing whitespace and end-of-turn markers
 removed) must end with a last line `Answer: <x>` where `<x>` equals the record's answer after
@@ -39,14 +38,14 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-TASKS = ("add", "count_words", "count_letter", "reverse", "uppercase", "largest", "last_word")
-_LONG_PROB = 0.2  # of a list/passage task being long (-> ~9% of all records)
-_SHORT_ITEMS = (3, 9)  # item count range of a short list/passage
-_LONG_TOKENS = (100, 700)  # log-uniform token budget of a long list/passage
-# Tokens per item with the SmolLM2 tokenizer (measured): a passage word, "word, ", "123, ".
-_TOKENS_PER_ITEM = {"count_words": 1.2, "last_word": 2.0, "largest": 4.0}
+TASKS = ("lookup", "word_after", "last_word", "uppercase")
+_LONG_PROB = 0.12  # of a list task being long (-> ~9% of all records)
+_SHORT_ITEMS = (3, 8)  # item count range of a short list
+_LONG_TOKENS = (100, 450)  # log-uniform token budget of a long list (fits max_length 512)
+# Tokens per item with the SmolLM2 tokenizer (measured): "word: 123\n", "word, ".
+_TOKENS_PER_ITEM = {"lookup": 7.5, "word_after": 2.0, "last_word": 2.0}
 
-# Common lowercase words, mostly one token each: fillers for passages, lists and letter tasks.
+# Common lowercase words, mostly one token each: keys, list items and phrases.
 _WORDS = tuple("""
 apple river stone cloud green table window bread light music garden house water paper
 orange winter summer forest yellow silver chair pencil rabbit tiger horse mouse candle
@@ -59,28 +58,25 @@ bright quiet happy gentle simple little narrow heavy rapid sharp smooth warm col
 brave calm eager fancy jolly kind lucky proud silly tiny wise wild young old early late
 run jump walk swim sing read write paint build climb dance laugh dream sleep think
 """.split())
-_SHORT_WORDS = tuple(w for w in _WORDS if 3 <= len(w) <= 6)
 
-_ADD = ("What is {a} + {b}?", "Add {a} and {b}.", "Compute the sum of {a} and {b}.",
-        "What do you get when you add {a} to {b}?")
-_COUNT_WORDS = ("How many words are in this text?\n{text}", "Count the words in the following text.\n{text}",
-                "Text: {text}\nHow many words does this text contain?")
-_COUNT_LETTER = ("How many times does the letter '{c}' appear in the word '{w}'?",
-                 "Count the letter '{c}' in '{w}'.", "In the word '{w}', how many '{c}' letters are there?")
-_REVERSE = ("Reverse the word '{w}'.", "Write '{w}' backwards.", "Spell the word '{w}' in reverse order.")
+_LOOKUP = ("Here are some item codes:\n{table}\nWhat is the code of {key}?",
+           "Codes:\n{table}\nWhich code belongs to {key}?",
+           "Look up the code of {key} in this table.\n{table}")
+_WORD_AFTER = ("Which word comes right after '{w}' in this list? {items}",
+               "List: {items}\nWhat is the word that follows '{w}'?",
+               "In the list {items}, which word is next after '{w}'?")
 _UPPERCASE = ("Convert this phrase to uppercase: {p}", "Write in capital letters: {p}",
               "Rewrite the following in upper case: {p}")
-_LARGEST = ("Which number is the largest in this list? {nums}", "Find the largest number: {nums}",
-            "Numbers: {nums}\nWhat is the biggest one?")
 _LAST_WORD = ("What is the last word in this list? {items}", "Which word comes last in this list: {items}",
               "List: {items}\nWhat is the final item?")
 
 
 def _item_count(rng: np.random.Generator, task: str) -> int:
-  """Items in a list/passage: usually 3-9, with probability _LONG_PROB a long-tail length."""
+  """Items in a list: usually 3-8, with probability _LONG_PROB a long-tail length (distinct
+  words run out at len(_WORDS), which caps the longest lookup table and word_after list)."""
   if rng.random() < _LONG_PROB:
     lo, hi = np.log(_LONG_TOKENS)
-    return int(round(np.exp(rng.uniform(lo, hi)) / _TOKENS_PER_ITEM[task]))
+    return min(int(round(np.exp(rng.uniform(lo, hi)) / _TOKENS_PER_ITEM[task])), len(_WORDS))
   return int(rng.integers(_SHORT_ITEMS[0], _SHORT_ITEMS[1] + 1))
 
 
@@ -90,28 +86,25 @@ def _pick(rng: np.random.Generator, options: Sequence[str], size: int | None = N
   return [options[i] for i in rng.integers(len(options), size=size)]
 
 
+def _distinct(rng: np.random.Generator, size: int) -> list[str]:
+  return [_WORDS[i] for i in rng.choice(len(_WORDS), size=size, replace=False)]
+
+
 def _make_task(task: str, rng: np.random.Generator) -> tuple[str, str]:
   """(prompt, answer) for one task."""
-  if task == "add":
-    a, b = (int(x) for x in rng.integers(0, 100, size=2))
-    return _pick(rng, _ADD).format(a=a, b=b), str(a + b)
-  if task == "count_words":
-    words = _pick(rng, _WORDS, _item_count(rng, task))
-    return _pick(rng, _COUNT_WORDS).format(text=" ".join(words)), str(len(words))
-  if task == "count_letter":
-    word = _pick(rng, _WORDS)
-    # Mostly a letter of the word (counts 1-3), sometimes one it lacks (count 0).
-    letter = _pick(rng, word) if rng.random() < 0.8 else _pick(rng, "abcdefghijklmnopqrstuvwxyz")
-    return _pick(rng, _COUNT_LETTER).format(c=letter, w=word), str(word.count(letter))
-  if task == "reverse":
-    word = _pick(rng, _SHORT_WORDS)
-    return _pick(rng, _REVERSE).format(w=word), word[::-1]
+  if task == "lookup":
+    keys = _distinct(rng, _item_count(rng, task))
+    codes = [str(int(c)) for c in rng.integers(100, 1000, size=len(keys))]
+    key = int(rng.integers(len(keys)))
+    table = "\n".join(f"{k}: {c}" for k, c in zip(keys, codes))
+    return _pick(rng, _LOOKUP).format(table=table, key=keys[key]), codes[key]
+  if task == "word_after":
+    items = _distinct(rng, _item_count(rng, task))
+    i = int(rng.integers(len(items) - 1))
+    return _pick(rng, _WORD_AFTER).format(items=", ".join(items), w=items[i]), items[i + 1]
   if task == "uppercase":
     phrase = " ".join(_pick(rng, _WORDS, int(rng.integers(1, 4))))
     return _pick(rng, _UPPERCASE).format(p=phrase), phrase.upper()
-  if task == "largest":
-    nums = [int(x) for x in rng.choice(1000, size=max(_item_count(rng, task), 2), replace=False)]
-    return _pick(rng, _LARGEST).format(nums=", ".join(map(str, nums))), str(max(nums))
   if task == "last_word":
     items = _pick(rng, _WORDS, _item_count(rng, task))
     return _pick(rng, _LAST_WORD).format(items=", ".join(items)), items[-1]

@@ -1,0 +1,272 @@
+"""`python -m jaxsft.chat`: talk to a tuned model (or any model jaxsft loads).
+
+    python -m jaxsft.chat runs/default                       # interactive, the run's model + adapter
+    python -m jaxsft.chat --model smollm2-135m-instruct --adapter runs/default/adapter
+    python -m jaxsft.chat runs/default --prompt "What is the code of river? ..."      # one reply
+    python -m jaxsft.chat runs/default --input prompts.jsonl --output replies.jsonl   # batch
+
+Interactive: a multi-turn conversation rendered with the model's chat template; the reply is
+printed token by token as it is generated; `/reset` starts over, `/exit` (or end of input)
+quits. Batch: every record `jaxsft.data.load_records` reads (Alpaca, messages, ShareGPT,
+prompt/completion; a record may also stop before its reply) gets its reply added as `"reply"`;
+a record with a reply is prompted with the conversation before it. The output is written
+atomically. Greedy decoding unless `--temperature` > 0; a reply ends at the model's end-of-turn
+token or after `--max-new-tokens`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pathlib
+import sys
+from typing import Any
+
+from jaxsft import quiet
+
+quiet.silence_library_noise()
+
+EXIT_USAGE = 2
+
+
+class ChatError(Exception):
+  """Bad input to the CLI (missing run/adapter, wrong base, unreadable prompts): exit 2."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="python -m jaxsft.chat", description=__doc__.split("\n\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter,
+                                   epilog=__doc__.split("\n\n", 1)[1])
+  parser.add_argument("run_dir", nargs="?", help="a run directory written by python -m jaxsft.train "
+                      "(its model and adapter, or its full fine-tuned model)")
+  parser.add_argument("--model", help="a model jaxsft loads (short name, HF directory, hub id, .gguf); "
+                      "instead of RUN_DIR")
+  parser.add_argument("--adapter", help="a PEFT LoRA adapter directory to load onto --model")
+  parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None,
+                      help="compute dtype (default: the run's, else float32; auto: bfloat16 on a GPU/TPU, "
+                      "float32 on a CPU)")
+  parser.add_argument("--system", help="a system prompt for the conversation")
+  parser.add_argument("--prompt", help="one user message: print the reply and exit")
+  parser.add_argument("--input", help="batch mode: a data file of prompts (JSON/JSONL, .gz)")
+  parser.add_argument("--output", help="batch mode: where to write the records with their replies (JSONL)")
+  parser.add_argument("--max-new-tokens", type=int, default=256)
+  parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+  parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+  parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
+  parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+  parser.add_argument("--batch-size", type=int, default=8, help="batch mode: prompts decoded together")
+  args = parser.parse_args(argv)
+  if (args.run_dir is None) == (args.model is None):
+    parser.error("give RUN_DIR or --model (one of them)")
+  if args.adapter and args.run_dir:
+    parser.error("--adapter goes with --model; a RUN_DIR brings its own adapter")
+  if (args.input is None) != (args.output is None):
+    parser.error("batch mode needs both --input and --output")
+  if args.input and args.prompt:
+    parser.error("--prompt and --input are different modes; give one")
+  if args.max_new_tokens < 1:
+    parser.error("--max-new-tokens must be >= 1")
+  return args
+
+
+# ---------------------------------------------------------------------------------------------
+# Which model: a run directory, or --model [--adapter].
+
+
+def resolve_run(run_dir: str) -> dict[str, Any]:
+  """{"model", "adapter" (or None), "dtype"} of a finished run; ChatError when it is not one."""
+  run = pathlib.Path(run_dir)
+  config_path = run / "config.json"
+  if not config_path.is_file():
+    raise ChatError(f"{config_path} is missing: {run} is not a jaxsft run directory")
+  try:
+    cfg = json.loads(config_path.read_text())
+  except json.JSONDecodeError as e:
+    raise ChatError(f"{config_path}: line {e.lineno}: invalid JSON ({e.msg})") from None
+  full_model = run / "model"
+  if (full_model / "config.json").is_file():  # a full fine-tuning run: the whole tuned model
+    return {"model": str(full_model), "adapter": None, "dtype": cfg.get("model", {}).get("dtype", "float32")}
+  adapter = run / "adapter"
+  if not (adapter / "adapter_config.json").is_file():
+    raise ChatError(f"{adapter / 'adapter_config.json'} is missing: {run} has no adapter yet "
+                    f"(the run has not saved one; it writes it at checkpoints and at the end)")
+  name = cfg.get("model", {}).get("name")
+  if not name:
+    raise ChatError(f"{config_path}: field model.name is missing")
+  return {"model": name, "adapter": str(adapter), "dtype": cfg.get("model", {}).get("dtype", "float32")}
+
+
+def load(model_name: str, adapter: str | None, dtype: str):
+  """(model, tokenizer) with the adapter applied; ChatError on a missing or mismatched adapter."""
+  from jaxsft import lora, models
+
+  if adapter is not None and not (pathlib.Path(adapter) / "adapter_config.json").is_file():
+    raise ChatError(f"{pathlib.Path(adapter) / 'adapter_config.json'} is missing: not a PEFT adapter directory")
+  try:
+    model, tokenizer = models.load_model(model_name, dtype=dtype)
+  except (FileNotFoundError, ValueError, KeyError) as e:
+    raise ChatError(f"cannot load model {model_name!r}: {e}") from None
+  if adapter is not None:
+    try:
+      lora.load_adapter(model, adapter)
+    except (FileNotFoundError, ValueError) as e:
+      raise ChatError(f"adapter {adapter} does not fit model {model_name!r}: {e}") from None
+  return model, tokenizer
+
+
+def load_from_args(args):
+  if args.run_dir:
+    source = resolve_run(args.run_dir)
+    return load(source["model"], source["adapter"], args.dtype or source["dtype"])
+  return load(args.model, args.adapter, args.dtype or "float32")
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch mode.
+
+_PLACEHOLDER = "\x00jaxsft-no-reply\x00"
+
+
+def read_prompts(path: str) -> list[tuple[dict, list[dict]]]:
+  """(raw record, prompt messages) per record of a data file.
+
+  A record is read by `jaxsft.data.normalize_record`, so every format training accepts works.
+  A record that stops before its reply (messages/conversations ending with a user turn, an
+  instruction without output, a prompt without completion) is prompted as it is; one with a
+  reply is prompted with the turns before its final reply.
+  """
+  from jaxsft.data import DataError, normalize_record
+  from jaxsft.data.records import _read_raw
+
+  out = []
+  for where, raw in _read_raw(path, None):
+    completed = raw
+    if isinstance(raw, dict):
+      for turns, role_key, assistant in (("messages", "role", "assistant"), ("conversations", "from", "gpt")):
+        value = raw.get(turns)
+        if isinstance(value, list) and value and isinstance(value[-1], dict) and \
+            value[-1].get(role_key) not in ("assistant", "gpt"):
+          content_key = "content" if turns == "messages" else "value"
+          completed = {**raw, turns: [*value, {role_key: assistant, content_key: _PLACEHOLDER}]}
+      if "instruction" in raw and "output" not in raw:
+        completed = {**raw, "output": _PLACEHOLDER}
+      if "prompt" in raw and "completion" not in raw:
+        completed = {**raw, "completion": _PLACEHOLDER}
+    try:
+      messages = normalize_record(completed)["messages"]
+    except DataError as e:
+      raise DataError(e.reason, path=path, where=where, field=e.field) from None
+    out.append((raw, messages[:-1]))
+  if not out:
+    raise DataError("no records (empty file or empty array)", path=path)
+  return out
+
+
+def run_batch(model, tokenizer, args, sampling) -> int:
+  from jaxsft import run_files
+  from jaxsft.generate import generate
+
+  items = read_prompts(args.input)
+  prompts = [_with_system(messages, args.system) for _, messages in items]
+  replies = generate(model, tokenizer, prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                     sampling=sampling, seed=args.seed)
+
+  def write(f):
+    for (raw, _), reply in zip(items, replies):
+      record = dict(raw) if isinstance(raw, dict) else {"record": raw}
+      record["reply"] = reply
+      f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+  run_files.atomic_write(args.output, write)
+  print(f"wrote {len(replies)} replies to {args.output}", file=sys.stderr)
+  return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Interactive and one-shot.
+
+
+def _with_system(messages: list[dict], system: str | None) -> list[dict]:
+  if system is None or (messages and messages[0]["role"] == "system"):
+    return list(messages)
+  return [{"role": "system", "content": system}, *messages]
+
+
+def reply(model, tokenizer, messages, args, sampling, out=sys.stdout) -> str:
+  """Streams the reply to `out` as it is generated; returns its text."""
+  from jaxsft.generate import stream
+
+  pieces = []
+  for piece in stream(model, tokenizer, messages, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                      seed=args.seed + len(messages)):
+    pieces.append(piece)
+    out.write(piece)
+    out.flush()
+  out.write("\n")
+  out.flush()
+  return "".join(pieces)
+
+
+def interactive(model, tokenizer, args, sampling, stdin=sys.stdin, out=sys.stdout) -> int:
+  from jaxsft.generate import PromptTooLong
+
+  tty = stdin.isatty()
+  if tty:
+    print("jaxsft chat: type a message; /reset starts over, /exit quits.", file=sys.stderr)
+  history: list[dict] = _with_system([], args.system)
+  while True:
+    if tty:
+      out.write("\n> ")
+      out.flush()
+    line = stdin.readline()
+    if not line:
+      return 0
+    text = line.rstrip("\n")
+    if text.strip() == "/exit":
+      return 0
+    if text.strip() == "/reset":
+      history = _with_system([], args.system)
+      print("(conversation reset)", file=sys.stderr)
+      continue
+    if not text.strip():
+      continue
+    turn = [*history, {"role": "user", "content": text}]
+    try:
+      answer = reply(model, tokenizer, turn, args, sampling, out)
+    except PromptTooLong as e:
+      print(f"error: {e}", file=sys.stderr)
+      continue
+    history = [*turn, {"role": "assistant", "content": answer}]
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  from jaxsft.data import DataError
+  from jaxsft.generate import PromptTooLong, Sampling
+
+  try:
+    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return EXIT_USAGE
+  try:
+    if args.input and not pathlib.Path(args.input).is_file():
+      raise ChatError(f"{args.input}: no such file")
+    model, tokenizer = load_from_args(args)
+    if args.input:
+      return run_batch(model, tokenizer, args, sampling)
+    if args.prompt is not None:
+      reply(model, tokenizer, _with_system([{"role": "user", "content": args.prompt}], args.system), args, sampling)
+      return 0
+    return interactive(model, tokenizer, args, sampling)
+  except (ChatError, DataError, PromptTooLong) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return EXIT_USAGE
+  except KeyboardInterrupt:
+    return 130
+
+
+if __name__ == "__main__":
+  logging.basicConfig(level=logging.WARNING)
+  sys.exit(main())
