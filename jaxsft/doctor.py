@@ -40,7 +40,9 @@ Rules, first match wins:
                       is >= 10% above the very first training loss (an early blow-up that
                       the start median absorbs; checked after rule 4, before overfitting)
   4. near_zero_early  s < NEAR_ZERO (0.05 nats/token) by the end of the first epoch
-                      (the first half of the run when the epoch length is unknown)
+                      (the first half of the run when the epoch length is unknown), unless
+                      validation (>= 2 points) ends at its lowest, >= NEAR_ZERO_VAL_DROP (50%)
+                      below its first value: then the held-out loss confirms a learned task
   5. overfitting      validation (>= 3 points): its minimum is not the last point, the last
                       value is >= VAL_RISE_REL (5%) above it (the last two, when two follow it,
                       >= half that), and train did not rise by more than 2% meanwhile;
@@ -83,6 +85,7 @@ from jaxsft import run_files
 
 MIN_POINTS = 8
 NEAR_ZERO = 0.05
+NEAR_ZERO_VAL_DROP = 0.5
 DIVERGE_REL_RISE = 0.10
 VAL_RISE_REL = 0.05
 REBOUND_MIN_DROP = 0.10
@@ -266,7 +269,11 @@ def diagnose(train_steps: Sequence[float], train_loss: Sequence[float], *,
   below = np.flatnonzero(s < NEAR_ZERO)
   if below.size and first > 2 * NEAR_ZERO:
     evidence["near_zero_step"] = int(steps[below[0]])
-    if steps[below[0]] <= early_end:
+    # Memorizing (or too high a rate) leaves the held-out loss behind; when it fell to its best
+    # at the end as well, the task is simply learned (replies a program could write).
+    confirmed = _validation_keeps_falling(val_steps, val_loss)
+    evidence["near_zero_confirmed_by_validation"] = confirmed
+    if steps[below[0]] <= early_end and not confirmed:
       when = "the first epoch" if steps_per_epoch else "the first half of the run"
       return _make("near_zero_early", f"the loss fell to ~0 (< {NEAR_ZERO}) by step "
                    f"{int(steps[below[0]])}, within {when}", evidence)
@@ -327,6 +334,20 @@ def diagnose(train_steps: Sequence[float], train_loss: Sequence[float], *,
     return _make("healthy", summary + " and leveled off", evidence)
   return _make("healthy", summary + " and was still falling at the end", evidence,
                fix="nothing to fix; it was still improving: more steps may help")
+
+
+def _validation_keeps_falling(val_steps, val_loss) -> bool:
+  """At least two finite validation points, the last one the lowest and at most
+  (1 - NEAR_ZERO_VAL_DROP) of the first."""
+  if val_steps is None or val_loss is None:
+    return False
+  vs = np.asarray(val_steps, dtype=np.float64).reshape(-1)
+  vl = np.asarray(val_loss, dtype=np.float64).reshape(-1)
+  if vs.shape != vl.shape:
+    raise ValueError(f"diagnose: {vs.size} validation steps but {vl.size} validation losses")
+  keep = np.isfinite(vl)
+  vl = vl[keep][np.argsort(vs[keep], kind="stable")]
+  return bool(vl.size >= 2 and vl[-1] <= vl.min() and vl[-1] <= (1 - NEAR_ZERO_VAL_DROP) * vl[0])
 
 
 def _validation_overfit(steps: np.ndarray, s: np.ndarray, val_steps, val_loss,

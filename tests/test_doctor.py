@@ -142,6 +142,17 @@ def test_advice_matches_the_table():
   assert "trainable parameters" in d.fix and "too low" in d.likely_cause
 
 
+def test_near_zero_early_that_validation_confirms_is_a_learned_task():
+  rng = np.random.default_rng(0)
+  t, loss, _ = near_zero_in_first_epoch(rng)
+  falling = doctor.diagnose(t, loss, steps_per_epoch=60, val_steps=[0, 60, 120], val_loss=[3.0, 0.4, 0.2])
+  assert falling.pattern == "healthy" and falling.evidence["near_zero_confirmed_by_validation"]
+  # Held-out loss that stalls or turns up does not confirm it: still near_zero_early.
+  for val_loss in ([3.0, 2.8, 2.9], [3.0, 0.4, 0.6]):
+    d = doctor.diagnose(t, loss, steps_per_epoch=60, val_steps=[0, 60, 120], val_loss=val_loss)
+    assert d.pattern == "near_zero_early", (val_loss, d.pattern)
+
+
 def test_near_zero_after_the_first_epoch_is_not_early():
   t = np.arange(1, 301)
   loss = 0.02 + 2.0 * np.exp(-t / 60)  # reaches ~0 only in epoch 3 of 100 steps
