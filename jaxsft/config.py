@@ -32,12 +32,12 @@ class ConfigError(ValueError):
 class ModelConfig:
   name: str = "smollm2-135m-instruct"
   """A short name, a Hugging Face model directory, a hub id or a .gguf file."""
-  dtype: str = "float32"
-  """Compute and frozen-weight dtype: float32 or bfloat16 (LoRA params stay float32)."""
+  dtype: str = "auto"
+  """Compute and frozen-weight dtype: auto (bfloat16 on a GPU/TPU, float32 on a CPU), float32 or bfloat16; LoRA params and optimizer state stay float32."""
   remat: bool = False
   """Recompute each layer's activations in the backward pass (less memory, more compute)."""
   chunked_loss: bool = False
-  """Cross-entropy over token chunks without materializing the (B, T, V) logits."""
+  """Recompute each loss chunk's logits in the backward pass instead of keeping them (less memory, more compute); the LM head always runs in chunks, only at trained positions."""
 
 
 @dataclasses.dataclass
@@ -81,6 +81,11 @@ class DataConfig:
   worker_count: int = 0
   """Grain worker processes that tokenize records as batches are read (0: the main process). The
   trainer tokenizes every record once before step 1, so its pipeline has nothing left for them."""
+  cache: bool = True
+  """Tokenize a data file once into a memory-mapped token store and reuse it in later runs (false:
+  tokenize in memory every run). The built-in synthetic data is always tokenized in memory."""
+  cache_dir: str | None = None
+  """Where token stores live (None: $JAXSFT_CACHE/tokens, by default ~/.cache/jaxsft/tokens)."""
   seed: int = 0
 
 
@@ -128,10 +133,19 @@ class TrainConfig:
   optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
   eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+  mode: str = "lora"
+  """lora: train LoRA adapters (the `lora` section) and write a PEFT adapter; full: train the model's
+  own weights (every param, or the ones `trainable` matches) and write the whole tuned model in
+  Hugging Face format (output_dir/model)."""
+  trainable: str | None = None
+  """mode=full: a regex searched in each parameter's dotted path (layers are stacked, so a path
+  names every layer at once: embed_tokens, norm.weight, layers.self_attn.q_proj.kernel,
+  layers.mlp.down_proj.kernel, layers.input_layernorm.weight, lm_head); None: every param."""
   output_dir: str = "runs/default"
   epochs: int = 1
   max_steps: int | None = None
-  """Stop after this many optimizer steps (default: `epochs` passes over the data)."""
+  """Run exactly this many optimizer steps, repeating the data as often as needed (overrides
+  `epochs`); None: `epochs` passes over the data."""
   save_every: int = 50
   """Orbax checkpoint (and PEFT adapter) every N steps; 0: only at the end."""
   keep_checkpoints: int = 2
@@ -162,7 +176,8 @@ ALIASES = {
     "dtype": "model.dtype",
 }
 CHOICES = {
-    "model.dtype": ("float32", "bfloat16"),
+    "mode": ("lora", "full"),
+    "model.dtype": ("auto", "float32", "bfloat16"),
     "data.batching": BATCHING,
     "data.train_on": TRAIN_ON,
     "data.on_error": ON_ERROR,

@@ -48,24 +48,49 @@ class TrainingError(RuntimeError):
 
 
 def load_data(cfg: config_lib.TrainConfig) -> tuple[list[dict], list[dict]]:
-  """Training and held-out records. Without a path: jaxsft's generated task set."""
+  """Training and held-out records. Without a path: jaxsft's generated task set.
+
+  A data file goes through its token store (`data.cache`, the default): tokenized once, later runs
+  read it. The training records are then a lazy view of the store and both splits carry their
+  tokenization (`.tokenized`), which `plan_data` uses instead of encoding again.
+  """
   d = cfg.data
   if d.path is None:
     from jaxsft.data import synthetic
 
     records = synthetic.make_dataset(d.synthetic_size, seed=d.seed)
   else:
-    records = _load_file(d.path, d)
+    records = _load_file(d.path, cfg)
   if d.val_path is not None:
-    return list(records), _load_file(d.val_path, d)[: d.max_val_examples]
+    val = _load_file(d.val_path, cfg)
+    return records, _held_out(val, np.arange(min(len(val), d.max_val_examples)))
   order = np.random.default_rng(d.seed).permutation(len(records))
   n_val = min(max(1, int(round(len(records) * d.val_fraction))), d.max_val_examples) if d.val_fraction > 0 else 0
   if n_val >= len(records):
     raise data_lib.DataError(f"{d.path}: {len(records)} records leave none for training after a {d.val_fraction} validation split")
+  if hasattr(records, "take"):  # a store's records: views, nothing decoded
+    return records.take(order[n_val:]), _held_out(records, order[:n_val])
   return [records[i] for i in order[n_val:]], [records[i] for i in order[:n_val]]
 
 
-def _load_file(path: str, d: config_lib.DataConfig) -> list[dict]:
+def _held_out(records, indices):
+  """The held-out records as a plain list (they are written to heldout.json and generated from),
+  with their stored tokenization attached when they come from a store."""
+  if not hasattr(records, "take"):
+    return [records[i] for i in indices]
+  view = records.take(indices)
+  return data_lib.store.RecordList(view, view.tokenized)
+
+
+def _load_file(path: str, cfg: config_lib.TrainConfig):
+  d = cfg.data
+  if d.cache:
+    tokenizer = models.load_tokenizer(cfg.model.name)
+    result = data_lib.open_or_build(path, tokenizer, max_length=d.max_length, train_on=d.train_on, fmt=d.format,
+                                    field_map=d.field_map, on_error=d.on_error, cache_dir=d.cache_dir)
+    log.info("token store %s: %s %.1fs: %s", result.store.folder, "built in" if result.built else "found in",
+             result.seconds, result.store.summary())
+    return result.store.records()
   report = data_lib.SkipReport()
   records = data_lib.load_records(path, fmt=d.format, field_map=d.field_map, on_error=d.on_error, report=report)
   if report.skipped:
@@ -101,8 +126,12 @@ def plan_data(cfg: config_lib.TrainConfig, train_records: list[dict], val_record
               batch_multiple_of: int) -> DataPlan:
   d = cfg.data
   tokens = dict(max_length=d.max_length, train_on=d.train_on)
-  train_tokens = data_lib.tokenize_records(tokenizer, train_records, **tokens)
-  val_tokens = data_lib.tokenize_records(tokenizer, val_records, **tokens)
+  train_tokens = data_lib.store.stored_tokens(train_records, tokenizer, **tokens)
+  val_tokens = data_lib.store.stored_tokens(val_records, tokenizer, **tokens)
+  if train_tokens is None:
+    train_tokens = data_lib.tokenize_records(tokenizer, train_records, **tokens)
+  if val_tokens is None:
+    val_tokens = data_lib.tokenize_records(tokenizer, val_records, **tokens)
   batching = dict(max_length=d.max_length, batching=d.batching, bucket_lengths=list(d.bucket_lengths) if d.bucket_lengths else None,
                   num_buckets=d.num_buckets, batch_size=d.batch_size, tokens_per_batch=d.tokens_per_batch,
                   pad_to_multiple_of=d.pad_to_multiple_of, batch_multiple_of=batch_multiple_of, train_on=d.train_on)
@@ -322,6 +351,29 @@ class Run:
   config_line: dict = dataclasses.field(default_factory=dict)  # metrics.jsonl's first line
 
 
+def param_paths(model) -> list[str]:
+  """Dotted paths of the model's params (`trainable` is matched against these)."""
+  return [".".join(map(str, path)) for path, value in nnx.iter_graph(model) if isinstance(value, nnx.Param)]
+
+
+def trainable_filter(cfg: config_lib.TrainConfig):
+  """The nnx filter of the trained params: LoRA factors, or (mode=full) every param whose
+  dotted path `cfg.trainable` matches (all of them when it is None)."""
+  if cfg.mode == "lora":
+    return nnx.LoRAParam
+  import re
+
+  try:
+    pattern = re.compile(cfg.trainable) if cfg.trainable else None
+  except re.error as e:
+    raise config_lib.ConfigError(f"trainable: {cfg.trainable!r} is not a valid regex ({e})") from None
+
+  def matches(path, value) -> bool:
+    return isinstance(value, nnx.Param) and (pattern is None or bool(pattern.search(".".join(map(str, path)))))
+
+  return matches
+
+
 def setup(cfg: config_lib.TrainConfig) -> tuple[Run, RunState]:
   """Everything before step 1. Bad config, data, mesh or model raise before anything is written."""
   t_start = time.time()
@@ -343,17 +395,22 @@ def setup(cfg: config_lib.TrainConfig) -> tuple[Run, RunState]:
   log.info("loading model %s (%s)", cfg.model.name, cfg.model.dtype)
   model, tokenizer = models.load_model(cfg.model.name, dtype=cfg.model.dtype, remat="full" if cfg.model.remat else None)
   data = plan_data(cfg, train_records, val_records, tokenizer, mesh.batch_multiple_of)
-  lora_lib.apply_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                      target_modules=cfg.lora.target_modules, rslora=cfg.lora.rslora, seed=cfg.seed)
-  graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+  if cfg.mode == "lora":
+    lora_lib.apply_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
+                        target_modules=cfg.lora.target_modules, rslora=cfg.lora.rslora, seed=cfg.seed)
+  # `lora` is the trainable state (the LoRA factors, or the model's own params in full mode).
+  graphdef, lora, frozen = nnx.split(model, trainable_filter(cfg), ...)
   n_lora = sum(x.size for x in jax.tree.leaves(lora))
   n_all = n_lora + sum(x.size for x in jax.tree.leaves(frozen))
-  log.info("trainable LoRA params: %d of %d (%.3f%%)", n_lora, n_all, 100 * n_lora / max(n_all, 1))
+  if n_lora == 0:
+    raise config_lib.ConfigError(f"trainable={cfg.trainable!r} matches no parameter; paths look like "
+                                 f"{sorted(param_paths(model))[:6]}")
+  log.info("trainable %s params: %d of %d (%.3f%%)", "LoRA" if cfg.mode == "lora" else "model", n_lora, n_all,
+           100 * n_lora / max(n_all, 1))
 
   steps_per_epoch = max(data.batches_per_epoch // cfg.optim.grad_accum, 1)
-  total_steps = steps_per_epoch * cfg.epochs
-  if cfg.max_steps:
-    total_steps = min(total_steps, cfg.max_steps)
+  # max_steps (like Hugging Face's) overrides epochs: the data repeats for as long as it takes.
+  total_steps = cfg.max_steps if cfg.max_steps else steps_per_epoch * cfg.epochs
   log.info("batch shapes %s; %d batches per epoch, %d optimizer steps", data.shapes, data.batches_per_epoch, total_steps)
 
   files.dir.mkdir(parents=True, exist_ok=True)  # only now: bad config, data or model wrote nothing
@@ -373,7 +430,7 @@ def warm_up(run: Run, n_lora: int) -> None:
   counter = step_lib.compile_counter()
   keys = step_lib.BATCH_KEYS if run.cfg.data.batching == "packed" else ("input_ids", "attention_mask", "labels")
   compiles0, seconds0, t0 = counter.count, counter.seconds, time.time()
-  run.steps.warm_up(run.data.shapes, keys, with_eval=bool(run.data.val_records))
+  run.steps.warm_up(run.data.shapes, keys, with_eval=bool(run.data.val_records), fused=run.cfg.optim.grad_accum == 1)
   run.compiles_warmup, seconds = counter.count - compiles0, time.time() - t0
   log.info("warm-up: %d compiles in %.1fs (XLA %.1fs) for %d shapes", run.compiles_warmup, seconds,
            counter.seconds - seconds0, len(run.data.shapes))
@@ -424,8 +481,8 @@ def validate(run: Run, state: RunState) -> float | None:
   nll, n = 0.0, 0
   for batch in run.data.val_batches(run.tokenizer):
     s, c = run.steps.evaluate(state.lora, run.frozen, run.mesh.put_batch({k: batch[k] for k in step_lib.BATCH_KEYS if k in batch}))
-    nll, n = nll + float(s), n + int(c)
-  return nll / max(n, 1)
+    nll, n = nll + s, n + c  # summed on the device: no wait per batch
+  return float(nll) / max(int(n), 1)
 
 
 def record_validation(run: Run, state: RunState, record: dict) -> None:
@@ -443,61 +500,92 @@ def record_validation(run: Run, state: RunState, record: dict) -> None:
 
 
 def train_step(run: Run, state: RunState, batches: DevicePrefetch) -> dict | None:
-  """One optimizer step over `grad_accum` micro-batches; its metrics record, or None when the
-  data ran out before a single micro-batch."""
+  """Dispatches one optimizer step over `grad_accum` micro-batches and returns its record, the
+  device's metrics not read yet (`finish_record` waits for them); None when the data ran out
+  before a single micro-batch.
+
+  With `grad_accum` 1 the step is one executable (`CompiledSteps.train_step`); with more, the
+  micro-batches chain `accumulate` calls on the device and `apply` ends the step. Nothing here
+  waits for the device, so the host fetches the next batch while the step runs.
+  """
   t_step = time.time()
-  acc = run.steps.zeros(state.lora)
-  wait, tokens, real, epochs_seen = 0.0, 0, 0, []
-  micro_index = state.step * run.cfg.optim.grad_accum
-  for i in range(run.cfg.optim.grad_accum):
+  wait, tokens, real, epochs_seen, micro = 0.0, 0, 0, [], []
+  for _ in range(run.cfg.optim.grad_accum):
     t_wait = time.time()
     try:
       batch, host, state.data_state = next(batches)
     except StopIteration:
       break
     wait += time.time() - t_wait
-    acc = run.steps.accumulate(acc, state.lora, run.frozen, batch, np.int32(micro_index + i))
+    micro.append(batch)
     tokens += host["shape"][0] * host["shape"][1]
     real += host["real_tokens"]
     epochs_seen.append(host["epoch"])
   if not epochs_seen:
     return None
-  state.lora, state.opt_state, out = run.steps.apply(state.lora, state.opt_state, acc)
+  first = np.int32(state.step * run.cfg.optim.grad_accum)  # micro-batch index: the dropout key
+  if run.cfg.optim.grad_accum == 1:
+    state.lora, state.opt_state, out = run.steps.train_step(state.lora, state.opt_state, run.frozen, micro[0], first)
+  else:
+    acc = run.steps.zeros(state.lora)
+    for i, batch in enumerate(micro):
+      acc = run.steps.accumulate(acc, state.lora, run.frozen, batch, first + np.int32(i))
+    state.lora, state.opt_state, out = run.steps.apply(state.lora, state.opt_state, acc)
+  state.step += 1
+  return {"step": state.step, "tokens": tokens, "real_tokens": real, "data_wait_s": round(wait, 4),
+          "epoch": epochs_seen[-1], "device_out": out, "dispatched_at": t_step}
+
+
+def finish_record(run: Run, record: dict, since: float) -> float:
+  """Waits for the step's device metrics and completes `record` in place (loss, lr, grad norm,
+  valid tokens, throughput); returns when the step was seen done.
+
+  `seconds` runs from `since` (the previous step seen done, or this step's dispatch when that
+  was later: after a validation or a checkpoint) to now, so with steps in flight back to back
+  the seconds add up to the wall time.
+  """
+  out, dispatched_at = record.pop("device_out"), record.pop("dispatched_at")
+  out = {k: np.asarray(v) for k, v in jax.device_get(out).items()}
+  done = time.time()
+  tokens, real = record["tokens"], record["real_tokens"]
   if jax.process_count() > 1:  # each process counted its own rows; the device sums are global
     tokens, real = (int(x) for x in sharding_lib.sum_over_processes([tokens, real]))
-  loss, valid = float(out["loss"]), int(out["n_valid"])  # the loss's own (shifted) count
-  state.step += 1
-  seconds = time.time() - t_step
-  return {
-      "step": state.step, "loss": loss, "lr": float(out["lr"]), "grad_norm": float(out["grad_norm"]),
+  valid = int(out["n_valid"])  # the loss's own (shifted) count
+  seconds = max(done - max(since, dispatched_at), 1e-9)
+  record.update({
+      "loss": float(out["loss"]), "lr": float(out["lr"]), "grad_norm": float(out["grad_norm"]),
       "tokens": tokens, "real_tokens": real, "valid_tokens": valid,
       "padding_fraction": round(1 - real / max(tokens, 1), 4),
       "tokens_per_s": round(real / seconds, 1), "valid_tokens_per_s": round(valid / seconds, 1),
-      "compiles": run.steps.recompiles, "data_wait_s": round(wait, 4), "seconds": round(seconds, 4),
-      "elapsed_s": round(time.time() - run.t_start, 2), "epoch": epochs_seen[-1],
-      "finite": bool(out["finite"]), "nll": float(out["nll"]),
-  }
+      "compiles": run.steps.recompiles, "seconds": round(seconds, 4),
+      "elapsed_s": round(done - run.t_start, 2), "finite": bool(out["finite"]), "nll": float(out["nll"]),
+  })
+  return done
 
 
 def account_step(run: Run, state: RunState, record: dict) -> None:
-  """Non-finite streaks, epoch averages (Σ nll / Σ valid of the epoch's steps) and the last loss."""
+  """Non-finite streaks, epoch averages (Σ nll / Σ valid of the epoch's steps) and the last loss.
+
+  Runs on a finished record, possibly one step late (the next step already dispatched): it
+  names `record["step"]`, never the loop's current step.
+  """
   nll, finite = record.pop("nll"), record.pop("finite")
   if not finite:
     state.nonfinite_in_row += 1
     record["skipped"] = True
     log.warning("step %d: non-finite loss or gradient (loss=%s, grad_norm=%s): update skipped",
-                state.step, record["loss"], record["grad_norm"])
+                record["step"], record["loss"], record["grad_norm"])
     if state.nonfinite_in_row >= run.cfg.max_nonfinite_steps:
       run.files.log(record)
       raise TrainingError(
-          f"{state.nonfinite_in_row} consecutive steps with a non-finite loss or gradient (step {state.step}); "
+          f"{state.nonfinite_in_row} consecutive steps with a non-finite loss or gradient (step {record['step']}); "
           f"stopping. Lower the learning rate or check the data. The last good checkpoint and adapter are kept.")
     return
   state.nonfinite_in_row = 0
   if record["epoch"] != state.epoch and state.epoch_valid:
     # Logged with this step (the first of the new epoch): a resume that redoes this step drops the
     # line with the step's other metrics and logs it again.
-    run.files.log({"step": state.step, "epoch": state.epoch, "epoch_loss": state.epoch_nll / state.epoch_valid})
+    run.files.log({"step": record["step"], "epoch": state.epoch, "epoch_loss": state.epoch_nll / state.epoch_valid})
     state.epoch, state.epoch_nll, state.epoch_valid = record["epoch"], 0.0, 0
   state.epoch_nll += nll
   state.epoch_valid += record["valid_tokens"]
@@ -506,11 +594,33 @@ def account_step(run: Run, state: RunState, record: dict) -> None:
 
 def save_checkpoint(run: Run, state: RunState) -> None:
   run.checkpoints.save(state)
-  run.files.save_adapter(nnx.merge(run.graphdef, state.lora, run.frozen), run.cfg.model.name)
+  model = nnx.merge(run.graphdef, state.lora, run.frozen)
+  if run.cfg.mode == "full":
+    save_full_model(run, model)
+  else:
+    run.files.save_adapter(model, run.cfg.model.name)
+
+
+def save_full_model(run: Run, model) -> None:
+  """mode=full: the whole tuned model as a Hugging Face folder (RUN_DIR/model), swapped in whole."""
+  if not run.files.writer:
+    return
+  from jaxsft import export, run_files
+
+  tensors = {k: np.asarray(v) for k, v in models.to_hf_state_dict(model).items()}
+  dtype = str(np.dtype(next(iter(tensors.values())).dtype))
+  run_files.replace_directory(run.files.dir / "model", lambda tmp: export.write_hf(
+      tmp, model.config, tensors, run.tokenizer, "bfloat16" if dtype == "bfloat16" else "float32"))
 
 
 def run_loop(run: Run, state: RunState, batches: DevicePrefetch) -> bool:
-  """Steps until `total_steps`, early stopping or the end of the data; True if stopped early."""
+  """Steps until `total_steps`, early stopping or the end of the data; True if stopped early.
+
+  A step's metrics are read one step late: step N's record is finished (logged, non-finite
+  streak and epoch sums updated) after step N + 1 is dispatched, so the device never waits for
+  the host. A step that validates, saves a checkpoint or ends the run is finished at once,
+  before anything reads the params it produced.
+  """
   cfg = run.cfg
   if state.step == 0 and run.data.val_records and cfg.eval.eval_every:
     # The base model's held-out loss: the point every later validation is compared with.
@@ -520,24 +630,42 @@ def run_loop(run: Run, state: RunState, batches: DevicePrefetch) -> bool:
     log.info("validation loss before training: %.4f", state.val_loss)
   progress = ProgressBar(run.total_steps, state.step, cfg.progress)
   warned_recompiles = 0
+  last_done = time.time()
+
+  def complete(record: dict) -> None:
+    nonlocal last_done, warned_recompiles
+    last_done = finish_record(run, record, last_done)
+    account_step(run, state, record)
+    if run.steps.recompiles > warned_recompiles:
+      warned_recompiles = run.steps.recompiles
+      log.warning("step %d: the train step compiled again after warm-up (%d in all; unexpected: %s)",
+                  record["step"], run.steps.recompiles, run.steps.unexpected_shapes[-3:])
+
+  pending = None  # the dispatched step whose record is finished after the next dispatch
   try:
     while state.step < run.total_steps:
       record = train_step(run, state, batches)
+      if pending is not None:
+        complete(pending)
+        run.files.log(pending)
+        progress.update(pending)
+        pending = None
       if record is None:
         log.warning("the data ran out after %d of %d planned steps", state.step, run.total_steps)
         break
-      account_step(run, state, record)
-      if run.steps.recompiles > warned_recompiles:
-        warned_recompiles = run.steps.recompiles
-        log.warning("step %d: the train step compiled again after warm-up (%d in all; unexpected: %s)",
-                    state.step, run.steps.recompiles, run.steps.unexpected_shapes[-3:])
       evaluate_now = (cfg.eval.eval_every and state.step % cfg.eval.eval_every == 0) or state.step == run.total_steps
+      save_now = cfg.save_every and state.step % cfg.save_every == 0 and state.step < run.total_steps
+      if not (evaluate_now or save_now or state.step == run.total_steps):
+        pending = record
+        continue
+      complete(record)
       if evaluate_now:
         record_validation(run, state, record)
       run.files.log(record)
       progress.update(record)
-      if cfg.save_every and state.step % cfg.save_every == 0 and state.step < run.total_steps:
+      if save_now:
         save_checkpoint(run, state)
+      last_done = time.time()  # validation and checkpoint time is no step's time
       patience = cfg.eval.early_stopping_patience
       if evaluate_now and patience and state.bad_evals >= patience:
         log.info("early stopping at step %d: no better validation loss in %d evaluations", state.step, patience)
@@ -545,6 +673,9 @@ def run_loop(run: Run, state: RunState, batches: DevicePrefetch) -> bool:
     return False
   finally:
     progress.close()
+    # A step may still run on the device (the loop raised a step late): let it end before the
+    # caller tears down, so no XLA thread outlives the interpreter.
+    jax.block_until_ready((state.lora, state.opt_state))
 
 
 def end_of_run(run: Run, state: RunState) -> None:
@@ -616,7 +747,10 @@ def finish(run: Run, result: RunResult, model) -> None:
   if cfg.eval.generate and run.data.val_records:
     from jaxsft import evaluate
 
-    result.evaluation = evaluate.compare_base_and_tuned(model, run.tokenizer, run.data.val_records, cfg)
+    base = None
+    if cfg.mode == "full":  # the base is the model as loaded, before any update
+      base = models.load_causal_lm(cfg.model.name, dtype=str(model.dtype))
+    result.evaluation = evaluate.compare_base_and_tuned(model, run.tokenizer, run.data.val_records, cfg, base=base)
     files.write_json("evaluation.json", result.evaluation)
   summary = {
       "steps": result.steps, "final_loss": result.final_loss, "first_val_loss": result.first_val_loss,
@@ -644,8 +778,11 @@ def summary_text(files: RunFiles, summary: dict, result: RunResult) -> str:
     if "format_rate_tuned" in summary:
       lines.append(f"answer format: base {summary['format_rate_base']:.3f} → tuned {summary['format_rate_tuned']:.3f}")
   lines.append(result.diagnosis.report())
-  lines.append(f"adapter (PEFT format): {files.adapter}   curve: {files.dir / 'loss_curve.png'}   "
-               f"wall time {summary['seconds']}s")
+  tuned = files.dir / "model" if (files.dir / "model").is_dir() else files.adapter
+  kind = "tuned model (HF format)" if tuned != files.adapter else "adapter (PEFT format)"
+  lines.append(f"{kind}: {tuned}   curve: {files.dir / 'loss_curve.png'}   wall time {summary['seconds']}s")
+  lines.append(f"chat with it:  python -m jaxsft.chat {files.dir}\n"
+               f"export it:     python -m jaxsft.export {files.dir} --out {files.dir}-hf  (--format gguf for llama.cpp)")
   return "\n".join(lines)
 
 
@@ -687,6 +824,9 @@ def _log_to_stderr():
 
 
 def main(argv: list[str] | None = None) -> int:
+  from jaxsft import quiet
+
+  quiet.silence_library_noise()
   _log_to_stderr()
   try:
     train(config_lib.parse_args(argv))

@@ -93,7 +93,7 @@ def test_cli_end_to_end_on_a_tiny_model(tiny_dir, small_data, tmp_path):
   assert summary["steps"] == 8 and summary["recompiles"] == 0
   assert "task_score_base" in summary and "task_score_tuned" in summary
   adapter_config = json.loads((out / "adapter/adapter_config.json").read_text())
-  assert adapter_config["peft_type"] == "LORA" and adapter_config["r"] == 8
+  assert adapter_config["peft_type"] == "LORA" and adapter_config["r"] == 16  # the embedded default (configs/default.yaml)
   assert "loss curve:" in r.stderr and "task score" in r.stderr
   # A second run into the same folder without --resume is refused, and nothing is touched.
   before = (out / "metrics.jsonl").read_text()
@@ -331,3 +331,32 @@ def test_epoch_loss_and_valid_tokens_use_the_loss_count(small_data, tmp_path, to
   (epoch,) = [l for l in lines if "epoch_loss" in l]
   weighted = sum(l["loss"] * l["valid_tokens"] for l in train) / sum(l["valid_tokens"] for l in train)
   assert epoch["epoch_loss"] == pytest.approx(weighted, rel=1e-5)
+
+
+def test_max_steps_repeats_the_data_and_dynamic_compiles_the_data_shapes(tiny_dir, small_data, tmp_path):
+  """max_steps beyond one epoch runs that many steps (the data repeats); dynamic batching compiles
+  the widths the stored lengths give, not every multiple of 8 up to max_length."""
+  from jaxsft.data import TokenStore, round_up
+
+  cache = tmp_path / "tokens"
+  out = tmp_path / "run"
+  r = run_cli(base_args(tiny_dir, small_data, out, "max_steps=25", "data.batching=dynamic", "eval.eval_every=0",
+                        "eval.generate=false", f"data.cache_dir={cache}"))
+  assert r.returncode == 0, r.stderr[-3000:]
+  train, _, lines = read_metrics(out)
+  config = lines[0]
+  assert config["steps_per_epoch"] == 18 and config["total_steps"] == 25  # 144 training records / 8
+  assert [l["step"] for l in train] == list(range(1, 26))
+  assert [l["epoch"] for l in train] == [0] * 18 + [1] * 7
+  (folder,) = list(cache.iterdir())  # the file's one token store
+  lengths = TokenStore(folder).tokenized().lengths  # training + held-out records
+  expected = sorted({(8, min(round_up(int(n), 8), 512)) for n in lengths})
+  assert [tuple(s) for s in config["batch_shapes"]] == expected
+  assert len(expected) < 512 // 8
+  assert config["warmup_compiles"] % len(expected) == 0 and config["warmup_compiles"] <= 2 * len(expected)
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["steps"] == 25 and summary["recompiles"] == 0
+  again = run_cli(base_args(tiny_dir, small_data, tmp_path / "run2", "max_steps=1", "data.batching=dynamic",
+                            "eval.generate=false", f"data.cache_dir={cache}"))
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "token store" in again.stderr and "found in" in again.stderr  # the second run tokenizes nothing
