@@ -336,17 +336,23 @@ def diagnose(train_steps: Sequence[float], train_loss: Sequence[float], *,
                fix="nothing to fix; it was still improving: more steps may help")
 
 
-def _validation_keeps_falling(val_steps, val_loss) -> bool:
-  """At least two finite validation points, the last one the lowest and at most
-  (1 - NEAR_ZERO_VAL_DROP) of the first."""
-  if val_steps is None or val_loss is None:
-    return False
+def _finite_validation(val_steps, val_loss) -> tuple[np.ndarray, np.ndarray]:
+  """The finite validation points, in step order."""
   vs = np.asarray(val_steps, dtype=np.float64).reshape(-1)
   vl = np.asarray(val_loss, dtype=np.float64).reshape(-1)
   if vs.shape != vl.shape:
     raise ValueError(f"diagnose: {vs.size} validation steps but {vl.size} validation losses")
   keep = np.isfinite(vl)
-  vl = vl[keep][np.argsort(vs[keep], kind="stable")]
+  order = np.argsort(vs[keep], kind="stable")
+  return vs[keep][order], vl[keep][order]
+
+
+def _validation_keeps_falling(val_steps, val_loss) -> bool:
+  """At least two finite validation points, the last one the lowest and at most
+  (1 - NEAR_ZERO_VAL_DROP) of the first."""
+  if val_steps is None or val_loss is None:
+    return False
+  _, vl = _finite_validation(val_steps, val_loss)
   return bool(vl.size >= 2 and vl[-1] <= vl.min() and vl[-1] <= (1 - NEAR_ZERO_VAL_DROP) * vl[0])
 
 
@@ -355,13 +361,7 @@ def _validation_overfit(steps: np.ndarray, s: np.ndarray, val_steps, val_loss,
   """A summary when validation rose from its minimum while train did not rise, else None."""
   if val_steps is None or val_loss is None:
     return None
-  vs = np.asarray(val_steps, dtype=np.float64).reshape(-1)
-  vl = np.asarray(val_loss, dtype=np.float64).reshape(-1)
-  if vs.shape != vl.shape:
-    raise ValueError(f"diagnose: {vs.size} validation steps but {vl.size} validation losses")
-  keep = np.isfinite(vl)
-  order = np.argsort(vs[keep], kind="stable")
-  vs, vl = vs[keep][order], vl[keep][order]
+  vs, vl = _finite_validation(val_steps, val_loss)
   if vl.size < 3:
     return None
   j = int(np.argmin(vl))

@@ -30,6 +30,12 @@ def _shift(logits_or_hidden: jax.Array, labels: jax.Array) -> tuple[jax.Array, j
   return logits_or_hidden[:, :-1], labels[:, 1:]
 
 
+def _flat_shifted(hidden: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(B*(T-1), H) hidden states and their (B*(T-1),) next-token targets."""
+  hidden, targets = _shift(hidden, labels)
+  return hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+
+
 def _token_nll(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Per-token negative log-likelihood and validity mask (nll is 0 where invalid).
 
@@ -136,9 +142,7 @@ def chunked_cross_entropy_sum(hidden: jax.Array, embedding: jax.Array, labels: j
   Returns:
     `(nll_sum, n_valid)` as `cross_entropy_sum`.
   """
-  hidden, targets = _shift(hidden, labels)
-  hidden = hidden.reshape(-1, hidden.shape[-1])
-  targets = targets.reshape(-1)
+  hidden, targets = _flat_shifted(hidden, labels)
   n = targets.shape[0]
   chunk_size = max(1, min(chunk_size, n))
   pad = -n % chunk_size
@@ -193,9 +197,7 @@ def trained_cross_entropy_sum(hidden: jax.Array, embedding: jax.Array, labels: j
   Returns:
     `(nll_sum, n_valid)` as `cross_entropy_sum`.
   """
-  hidden, targets = _shift(hidden, labels)
-  hidden = hidden.reshape(-1, hidden.shape[-1])
-  targets = targets.reshape(-1)
+  hidden, targets = _flat_shifted(hidden, labels)
   n = targets.shape[0]
   chunk_size = max(1, min(max(chunk_size, -(-n // max_chunks)), n))
   valid = targets != IGNORE_INDEX
