@@ -99,20 +99,12 @@ def resolve_run(run_dir: str) -> dict[str, Any]:
 
 def load(model_name: str, adapter: str | None, dtype: str):
   """(model, tokenizer) with the adapter applied; ChatError on a missing or mismatched adapter."""
-  from jaxsft import lora, models
+  from jaxsft import lora
 
-  if adapter is not None and not (pathlib.Path(adapter) / "adapter_config.json").is_file():
-    raise ChatError(f"{pathlib.Path(adapter) / 'adapter_config.json'} is missing: not a PEFT adapter directory")
   try:
-    model, tokenizer = models.load_model(model_name, dtype=dtype)
-  except (FileNotFoundError, ValueError, KeyError) as e:
-    raise ChatError(f"cannot load model {model_name!r}: {e}") from None
-  if adapter is not None:
-    try:
-      lora.load_adapter(model, adapter)
-    except (FileNotFoundError, ValueError) as e:
-      raise ChatError(f"adapter {adapter} does not fit model {model_name!r}: {e}") from None
-  return model, tokenizer
+    return lora.load_with_adapter(model_name, adapter, dtype=dtype)
+  except ValueError as e:
+    raise ChatError(str(e)) from None
 
 
 def load_from_args(args):

@@ -252,7 +252,7 @@ def write_gguf(path: pathlib.Path, config, tensors: dict[str, np.ndarray], token
 def export(model_name: str, adapter: str | None, out: str | pathlib.Path, *, fmt: str = "hf",
            dtype: str = "float32", overwrite: bool = False, max_shard_size: int | str = "5GB") -> pathlib.Path:
   """Merge `adapter` into `model_name` and write it to `out` (see the module docstring)."""
-  from jaxsft import lora, models, run_files
+  from jaxsft import lora, run_files
   from jaxsft.models import hub
 
   out = pathlib.Path(out)
@@ -263,18 +263,14 @@ def export(model_name: str, adapter: str | None, out: str | pathlib.Path, *, fmt
     raise ExportError(f"--dtype {dtype} is not available for --format {fmt}; choose from {list(allowed)}")
   if out.exists() and not overwrite:
     raise ExportError(f"{out} already exists; pass --overwrite to replace it")
-  if adapter is not None and not (pathlib.Path(adapter) / lora.ADAPTER_CONFIG).is_file():
-    raise ExportError(f"{pathlib.Path(adapter) / lora.ADAPTER_CONFIG} is missing: not a PEFT adapter directory")
   try:
     source = hub.resolve_model(model_name)
-    model, tokenizer = models.load_model(model_name, dtype="float32")
   except (FileNotFoundError, ValueError, KeyError) as e:
     raise ExportError(f"cannot load model {model_name!r}: {e}") from None
-  if adapter is not None:
-    try:
-      lora.load_adapter(model, adapter)
-    except (FileNotFoundError, ValueError) as e:
-      raise ExportError(f"adapter {adapter} does not fit model {model_name!r}: {e}") from None
+  try:
+    model, tokenizer = lora.load_with_adapter(model_name, adapter, dtype="float32")
+  except ValueError as e:
+    raise ExportError(str(e)) from None
   config = model.config
   tensors = merged_state_dict(model)
   del model
