@@ -157,7 +157,8 @@ def markdown(result, workers):
   lines = ["# Data pipeline benchmark", "",
            f"`.venv/bin/python benchmarks/data_throughput.py --workers {workers}` on {result['machine']['cpus']} CPU "
            "cores (SmolLM2-135M-Instruct tokenizer, max_length 1024); 1-minute load average at start "
-           f"{result['machine']['load_average_at_start'][0]:.1f} (other jobs shared the cores).", "",
+           f"{result['machine']['load_average_at_start'][0]:.1f} (it includes the decaying load of whatever ran "
+           "just before; a figure is a result only on an otherwise quiet machine).", "",
            "## Raw file -> token store vs the tokenizer alone (examples/s, best of interleaved runs)", "",
            "| file | records | bare `encode_batch` | file -> store | in-memory `tokenize_records` | store / encode_batch |",
            "| --- | ---: | ---: | ---: | ---: | ---: |"]
