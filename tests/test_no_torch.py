@@ -9,18 +9,10 @@ import textwrap
 
 import pytest
 
+from hide_torch import PRELUDE
 from test_train import ROOT
 
-SCRIPT = textwrap.dedent("""
-    import importlib.util, sys
-    _find = importlib.util.find_spec
-    importlib.util.find_spec = lambda name, package=None: (
-        None if name == "torch" or name.startswith("torch.") else _find(name, package))
-    class _NoTorch:
-      def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-          raise ModuleNotFoundError("torch is hidden in this test")
-    sys.meta_path.insert(0, _NoTorch())
+SCRIPT = PRELUDE + textwrap.dedent("""
     import jax, jax.numpy as jnp
     from jaxsft import models
     model, tok = models.load_model("smollm2-135m-instruct")

@@ -15,20 +15,12 @@ import time
 import numpy as np
 import pytest
 
+from hide_torch import PRELUDE
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Runs `jaxsft.train.main(argv)` in a fresh interpreter where torch cannot be found or imported.
-_HIDE_TORCH = textwrap.dedent("""
-    import importlib.util, sys
-    _find = importlib.util.find_spec
-    def _find_spec(name, package=None):
-      return None if name == "torch" or name.startswith("torch.") else _find(name, package)
-    importlib.util.find_spec = _find_spec
-    class _NoTorch:
-      def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-          raise ModuleNotFoundError("torch is hidden in this test")
-    sys.meta_path.insert(0, _NoTorch())
+_HIDE_TORCH = PRELUDE + textwrap.dedent("""
     from jaxsft.train import main
     code = main(sys.argv[1:])
     assert "torch" not in sys.modules, "the runtime imported torch"

@@ -10,6 +10,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from jaxsft import lora, models
+from hide_torch import PRELUDE
 from tiny_model import TINY
 
 # Untied head (a tied random model just repeats its input) and a short window.
@@ -59,16 +60,8 @@ def tuned_model(model_dir, adapter_dir):
 
 # `python -m <module> ARGS` in an interpreter where torch cannot be found (as in a runtime-only
 # install): transformers then prints its "PyTorch was not found" advice unless jaxsft silences it.
-_HIDE_TORCH = """
-import importlib.util, runpy, sys
-_find = importlib.util.find_spec
-importlib.util.find_spec = lambda name, package=None: (
-    None if name == "torch" or name.startswith("torch.") else _find(name, package))
-class _NoTorch:
-  def find_spec(self, name, path=None, target=None):
-    if name == "torch" or name.startswith("torch."):
-      raise ModuleNotFoundError("torch is hidden in this test")
-sys.meta_path.insert(0, _NoTorch())
+_HIDE_TORCH = PRELUDE + """
+import runpy
 module = sys.argv.pop(1)
 sys.argv[0] = module
 runpy.run_module(module, run_name="__main__", alter_sys=True)
