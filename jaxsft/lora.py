@@ -37,13 +37,17 @@ from flax import nnx
 
 from jaxsft import run_files
 
-# module name -> path inside a decoder layer (as in transformers' Llama/Qwen2/Mistral)
+# The Llama family's projections: module name -> path inside a decoder layer (as in transformers).
+# Other families have their own set (Phi-3 fuses q/k/v into qkv_proj and gate/up into
+# gate_up_proj): `module_paths(model)` reads it off the model.
 MODULE_PATHS = {
     "q_proj": ("self_attn", "q_proj"), "k_proj": ("self_attn", "k_proj"),
     "v_proj": ("self_attn", "v_proj"), "o_proj": ("self_attn", "o_proj"),
     "gate_proj": ("mlp", "gate_proj"), "up_proj": ("mlp", "up_proj"), "down_proj": ("mlp", "down_proj"),
 }
 ALL_LINEAR = tuple(MODULE_PATHS)  # PEFT's "all-linear": every linear layer but the LM head
+_CANONICAL_ORDER = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj",
+                    "down_proj")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PEFT_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
@@ -62,23 +66,37 @@ class LoraSettings:
     return self.alpha / (math.sqrt(self.r) if self.rslora else self.r)
 
 
-def resolve_target_modules(target_modules: str | Iterable[str]) -> tuple[str, ...]:
-  """Module names in canonical order; "all-linear" means all seven projections."""
+def module_paths(model) -> dict[str, tuple[str, str]]:
+  """The model's projections, name -> path inside a decoder layer (("self_attn", "q_proj"),
+  ...), attention first: the modules `target_modules` may name."""
+  from jaxsft.models.llama import Linear  # models' loading imports this module
+
+  found = {str(path[1]): (str(path[0]), str(path[1])) for path, module in nnx.iter_graph(model.layers)
+           if isinstance(module, Linear) and len(path) == 2}
+  order = [n for n in _CANONICAL_ORDER if n in found] + sorted(set(found) - set(_CANONICAL_ORDER))
+  return {n: found[n] for n in order}
+
+
+def resolve_target_modules(target_modules: str | Iterable[str],
+                           available: Sequence[str] = ALL_LINEAR) -> tuple[str, ...]:
+  """Module names in the order of `available` (a model's `module_paths`); "all-linear" means
+  every one of them."""
+  available = tuple(available)
   if isinstance(target_modules, str):
-    target_modules = ALL_LINEAR if target_modules == "all-linear" else (target_modules,)
+    target_modules = available if target_modules == "all-linear" else (target_modules,)
   names = tuple(target_modules)
   if "all-linear" in names:
-    return ALL_LINEAR
-  unknown = [n for n in names if n not in MODULE_PATHS]
+    return available
+  unknown = [n for n in names if n not in available]
   if unknown or not names:
-    raise ValueError(f"unknown LoRA target module(s) {unknown or names}: choose from "
-                     f"{list(MODULE_PATHS)} or 'all-linear'")
-  return tuple(n for n in ALL_LINEAR if n in names)
+    raise ValueError(f"unknown LoRA target module(s) {unknown or names} for this model: choose from "
+                     f"{list(available)} or 'all-linear'")
+  return tuple(n for n in available if n in names)
 
 
 def _projection(model, name: str):
   module = model.layers
-  for attr in MODULE_PATHS[name]:
+  for attr in module_paths(model)[name]:
     module = getattr(module, attr)
   return module
 
@@ -99,7 +117,7 @@ def apply_lora(model, *, r: int = 8, alpha: float = 16, dropout: float = 0.0,
     raise ValueError(f"LoRA rank r must be positive, got {r}")
   if not 0.0 <= dropout < 1.0:
     raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout}")
-  names = resolve_target_modules(target_modules)
+  names = resolve_target_modules(target_modules, tuple(module_paths(model)))
   remove_lora(model)
   key = jax.random.key(seed)
   for index, name in enumerate(names):
@@ -125,7 +143,7 @@ def _set_scales(model, settings: LoraSettings):
 
 def remove_lora(model):
   """Drop every LoRA factor (without merging)."""
-  for name in ALL_LINEAR:
+  for name in module_paths(model):
     proj = _projection(model, name)
     proj.lora_a = proj.lora_b = None
     proj.lora_scale, proj.lora_dropout = 0.0, 0.0
@@ -173,11 +191,12 @@ def adapter_tensors(model) -> dict[str, np.ndarray]:
   if settings is None:
     raise ValueError("the model has no LoRA adapters (call apply_lora or load_adapter first)")
   out = {}
+  paths = module_paths(model)
   for name in settings.target_modules:
     proj = _projection(model, name)
     a = np.asarray(proj.lora_a[...], np.float32)
     b = np.asarray(proj.lora_b[...], np.float32)
-    prefix = ".".join(MODULE_PATHS[name])
+    prefix = ".".join(paths[name])
     for i in range(a.shape[0]):
       key = f"base_model.model.model.layers.{i}.{prefix}"
       out[f"{key}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
@@ -243,14 +262,16 @@ def load_adapter(model, directory: str | os.PathLike):
   tensors = load_file(str(weights_path))
   r = int(config["r"])
   num_layers = model.config.num_layers
+  paths = module_paths(model)
   found: dict[str, dict[int, dict[str, np.ndarray]]] = {}
   for key, value in tensors.items():
     m = _PEFT_KEY.match(key)
     if m is None:
       raise ValueError(f"{weights_path}: tensor {key!r} is not a LoRA A/B weight of a decoder projection")
     layer, group, module, which = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-    if module not in MODULE_PATHS or MODULE_PATHS[module][0] != group:
-      raise ValueError(f"{weights_path}: tensor {key!r} targets unknown module {group}.{module}")
+    if module not in paths or paths[module][0] != group:
+      raise ValueError(f"{weights_path}: tensor {key!r} targets module {group}.{module}, which "
+                       f"{model.config.architecture} does not have (its modules: {list(paths)})")
     if layer >= num_layers:
       raise ValueError(f"{weights_path}: tensor {key!r} is for layer {layer}, the model has {num_layers}")
     _, fan_in, fan_out = _projection(model, module).kernel.shape
@@ -266,7 +287,7 @@ def load_adapter(model, directory: str | os.PathLike):
       for which in "AB":
         if which not in layers.get(layer, {}):
           raise ValueError(f"{weights_path}: tensor base_model.model.model.layers.{layer}."
-                           f"{'.'.join(MODULE_PATHS[module])}.lora_{which}.weight is missing")
+                           f"{'.'.join(paths[module])}.lora_{which}.weight is missing")
   declared = config.get("target_modules")
   if isinstance(declared, (list, tuple)) and set(found) - set(declared):
     raise ValueError(f"{directory / ADAPTER_CONFIG}: target_modules {declared} does not list "
@@ -276,7 +297,7 @@ def load_adapter(model, directory: str | os.PathLike):
   if base and own and base != own:
     warnings.warn(f"{directory}: adapter was made for base {base!r}, loading onto {own!r} (shapes match)")
 
-  names = tuple(n for n in ALL_LINEAR if n in found)
+  names = tuple(n for n in paths if n in found)
   remove_lora(model)
   for name in names:
     proj = _projection(model, name)

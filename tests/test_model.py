@@ -74,7 +74,10 @@ def test_hf_state_dict_round_trip_and_errors():
      "LlamaForSequenceClassification"),
     ({"model_type": "llama", "hidden_act": "gelu"}, "gelu"),
     ({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
-    ({"model_type": "qwen2", "use_sliding_window": True}, "sliding"),
+    ({"model_type": "phi3", "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0]}}, "longrope"),
+    ({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+    ({"model_type": "gemma3", "text_config": {}}, "multimodal"),
+    ({"model_type": "qwen2", "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
 ])
 def test_unsupported_architectures_are_named(cfg, message):
   base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,

@@ -96,10 +96,12 @@ def _bos_prefix(tokenizer) -> str:
 
 
 def render_with_spans(tokenizer, record: dict, *, train_on: str = "all_assistant") -> tuple[str, list[tuple[int, int]]]:
-  """The rendered conversation and the character spans `[start, end)` to train.
+  """The rendered conversation and the character spans `[start, end)` to train (the rule in the
+  module docstring).
 
-  Raises ValueError when a reply cannot be located in the rendered text (a template that
-  rewrites content or renders earlier turns differently once later turns exist).
+  Raises ValueError when a reply cannot be located in the rendered text (a template that drops or
+  repeats the reply, renders the rest of the conversation differently depending on the reply's
+  text, or renders the turns before it differently once it follows).
   """
   if train_on not in TRAIN_ON:
     raise ValueError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
@@ -108,29 +110,84 @@ def render_with_spans(tokenizer, record: dict, *, train_on: str = "all_assistant
   turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
   if train_on == "last":
     turns = turns[-1:]
-  spans = []
-  for i in turns:
-    turn = full if i == len(messages) - 1 else _render(tokenizer, messages[: i + 1])
-    if not full.startswith(turn):
-      raise ValueError(f"chat template renders turns 0..{i} differently once later turns follow; "
-                       "cannot locate the reply span")
-    header = _render(tokenizer, messages[:i], generation_prompt=True) if i else ""
-    lo = len(header) if turn.startswith(header) else len(_render(tokenizer, messages[:i]) if i else "")
-    content = messages[i]["content"]
-    start = turn.find(content, lo)
-    if start < 0:  # templates that trim the content
-      content = content.strip()
-      start = turn.find(content, lo)
-    if start < 0 or not content:
-      raise ValueError(f"assistant turn {i}: reply text not found in the rendered conversation")
-    end = start + len(content)
-    end += len(turn[end:].rstrip())  # the end-of-turn marker is trained
-    spans.append((start, end))
+  spans = [_turn_span(tokenizer, messages, full, i) for i in turns]
   bos = _bos_prefix(tokenizer)
   if bos and not full.startswith(bos):
     full = bos + full
     spans = [(s + len(bos), e + len(bos)) for s, e in spans]
   return full, spans
+
+
+# Private-use sentinels (like `_SENTINEL` below) for the reply being located and for a turn appended after it.
+_PROBE, _NEXT_PROBE = "\ue000jaxsft-reply\ue001", "\ue000jaxsft-next\ue001"
+
+
+def _turn_span(tokenizer, messages: list, full: str, i: int) -> tuple[int, int]:
+  """The trained span of assistant turn i in `full`, the render of the whole conversation."""
+  render = lambda msgs, gen=False: _render(tokenizer, msgs, generation_prompt=gen)
+  content = messages[i]["content"]
+  if not content:
+    raise ValueError(f"assistant turn {i}: reply text not found in the rendered conversation")
+  probed = messages[:i] + [{**messages[i], "content": _PROBE}] + messages[i + 1:]
+  text = render(probed)
+  if text.count(_PROBE) != 1:
+    raise ValueError(f"assistant turn {i}: the chat template does not render the reply exactly once")
+  tail = text[text.index(_PROBE) + len(_PROBE):]
+  if not full.endswith(tail):
+    raise ValueError(f"assistant turn {i}: the chat template renders the rest of the conversation differently "
+                     "depending on the reply's text; cannot locate the reply span")
+  reply_end = len(full) - len(tail)
+  header = render(messages[:i], True) if i else ""
+  if i and full.startswith(header) and len(header) < reply_end:
+    start = len(header)  # everything after the generation prompt is the model's to produce
+  else:
+    before = render(messages[:i]) if i else ""
+    if not full.startswith(before):
+      raise ValueError(f"chat template renders turns 0..{i - 1} differently once later turns follow; "
+                       "cannot locate the reply span")
+    start = _find_reply(full, content, len(before), reply_end)
+    if start < 0:
+      raise ValueError(f"assistant turn {i}: reply text not found in the rendered conversation")
+  if start >= reply_end:
+    raise ValueError(f"assistant turn {i}: reply text not found in the rendered conversation")
+  last = render(probed[: i + 1])
+  after = last[last.index(_PROBE) + len(_PROBE):] if last.count(_PROBE) == 1 else ""
+  if i + 1 < len(messages):
+    marker = _end_marker(after, full, reply_end)
+  else:
+    following = _following_turn(render, probed, _PROBE)
+    marker = _end_marker(after, after if following is None else following)
+  return start, reply_end + len(marker)
+
+
+def _find_reply(text: str, content: str, lo: int, hi: int) -> int:
+  """Where `content` (or, for templates that trim it, its stripped text) starts in text[lo:hi]; -1 if nowhere."""
+  start = text.find(content, lo, hi)
+  if start < 0 and content.strip():
+    start = text.find(content.strip(), lo, hi)
+  return start
+
+
+def _following_turn(render, messages: list, reply: str) -> str | None:
+  """What the template renders after the final reply (the text `reply`) when a user turn follows
+  it; None when the template rejects that conversation."""
+  try:
+    text = render(messages + [{"role": "user", "content": _NEXT_PROBE}])
+  except Exception:  # a template that rejects a trailing user turn: the end-of-turn text decides alone
+    return None
+  return text[text.index(reply) + len(reply):] if text.count(reply) == 1 else None
+
+
+def _end_marker(after: str, following: str, at: int = 0) -> str:
+  """The end-of-turn marker: the longest prefix of `after` (what the template renders after a reply
+  that ends the conversation), cut before whitespace and without trailing whitespace, that
+  following[at:] (what it renders after the same reply when the conversation goes on) starts with."""
+  end = len(after.rstrip())
+  for cut in [end] + [p for p in range(end - 1, 0, -1) if after[p].isspace()]:
+    marker = after[:cut].rstrip()
+    if following.startswith(marker, at):
+      return marker
+  return ""
 
 
 def _labels_from_offsets(ids: np.ndarray, offsets: np.ndarray, spans) -> np.ndarray:
@@ -273,14 +330,17 @@ _SENTINEL = "\ue000jaxsft{}\ue001"  # private-use characters around an index: no
 
 @dataclasses.dataclass(frozen=True)
 class _ShapePlan:
-  """A conversation shape's template text around its contents and, per trained turn, the prefix
-  rule's positions in sentinel coordinates: `(turn_end, contents_before_turn_end, lo,
-  contents_before_lo)`; a real position is the sentinel one plus the length change of the contents
-  before it."""
+  """A conversation shape's template text around its contents and, per trained turn, the span
+  rule's quantities in sentinel coordinates: `(message index, reply_end, contents_before_reply_end,
+  lo, contents_before_lo, from_header, after, marker)`. A real position is the sentinel one plus the
+  length change of the contents before it. `lo` is where the reply starts (`from_header`: the end of
+  the generation prompt) or where its text is searched from; `after` is the template text after the
+  reply when it ends the conversation, and `marker` the end-of-turn marker of a final turn (None for
+  earlier turns: it is cut from `after` against the real text that follows)."""
 
   skeleton: tuple[str, ...]  # len(content_order) + 1 pieces
   content_order: tuple[int, ...]  # message index of each non-empty content, in render order
-  turns: tuple[tuple[int, int, int, int, int], ...]  # (message index, turn_end, k_turn, lo, k_lo)
+  turns: tuple[tuple[int, int, int, int, int, bool, str, str | None], ...]
   render: Callable[[list], str]  # the whole conversation, as `_render` renders it
 
 
@@ -322,18 +382,14 @@ class SpanRenderer:
     for i, content in zip(plan.content_order, contents):
       shift.append(shift[-1] + len(content) - len(_SENTINEL.format(i)))
     spans = []
-    for i, turn_end_s, k_turn, lo_s, k_lo in plan.turns:
-      turn_end, lo = turn_end_s + shift[k_turn], lo_s + shift[k_lo]
-      content = messages[i]["content"]
-      start = full.find(content, lo, turn_end)
-      if start < 0:  # templates that trim the content
-        content = content.strip()
-        start = full.find(content, lo, turn_end)
-      if start < 0 or not content:
+    for i, reply_end_s, k_end, lo_s, k_lo, from_header, after, marker in plan.turns:
+      reply_end, lo = reply_end_s + shift[k_end], lo_s + shift[k_lo]
+      start = lo if from_header else _find_reply(full, messages[i]["content"], lo, reply_end)
+      if not 0 <= start < reply_end:
         raise ValueError(f"assistant turn {i}: reply text not found in the rendered conversation")
-      end = start + len(content)
-      end += len(full[end:turn_end].rstrip())  # the end-of-turn marker is trained
-      spans.append((start, end))
+      if marker is None:
+        marker = _end_marker(after, full, reply_end)
+      spans.append((start, reply_end + len(marker)))  # the end-of-turn marker is trained
     if self.bos and not full.startswith(self.bos):
       full = self.bos + full
       spans = [(s + len(self.bos), e + len(self.bos)) for s, e in spans]
@@ -358,7 +414,7 @@ class SpanRenderer:
       skeleton.append(full[at:pos])
       at = pos + len(sentinels[i])
     skeleton.append(full[at:])
-    ends = []  # sentinel end positions, in render order
+    ends = []  # sentinel (start, end) positions, in render order
     pos = 0
     for piece, i in zip(skeleton, order):
       pos += len(piece)
@@ -379,15 +435,31 @@ class SpanRenderer:
       turns_wanted = turns_wanted[-1:]
     turns = []
     for i in turns_wanted:
-      turn = full if i == len(messages) - 1 else render(messages[: i + 1])
-      if not full.startswith(turn):
+      if i not in order:  # an empty reply: the reference path raises
         return None
+      k = order.index(i)
+      reply_end = ends[k][1]
       header = render(messages[:i], True) if i else ""
-      lo = len(header) if turn.startswith(header) else len(render(messages[:i]) if i else "")
-      k_turn, k_lo = contents_before(len(turn)), contents_before(lo)
-      if k_turn is None or k_lo is None:
+      from_header = bool(i) and full.startswith(header) and len(header) < reply_end
+      if from_header:
+        lo = len(header)
+      else:
+        before = render(messages[:i]) if i else ""
+        if not full.startswith(before):
+          return None
+        lo = len(before)
+      k_lo = contents_before(lo)
+      last = render(messages[: i + 1])
+      if k_lo is None or last.count(sentinels[i]) != 1:
         return None
-      turns.append((i, len(turn), k_turn, lo, k_lo))
+      after = last[last.index(sentinels[i]) + len(sentinels[i]):]
+      if "\ue000" in after:  # contents after the reply: not template text alone
+        return None
+      marker = None
+      if i + 1 == len(messages):
+        following = _following_turn(render, messages, sentinels[i])
+        marker = _end_marker(after, after if following is None else following)
+      turns.append((i, reply_end, k + 1, lo, k_lo, from_header, after, marker))
     render_full = lambda msgs: _render(self.tokenizer, msgs)
     if self._direct is not None and self._direct(messages) == full:
       render_full = self._direct

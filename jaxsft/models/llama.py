@@ -1,8 +1,11 @@
-"""A Flax NNX causal LM for the Llama family: Llama 2/3, SmolLM2, Mistral, Qwen2.
+"""A Flax NNX decoder-only causal LM: Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 3 (text),
+SmolLM3, Phi-3 and OLMo 2.
 
-Pre-norm decoder: h += Attn(RMSNorm(h)); h += MLP(RMSNorm(h)), with RoPE, grouped-query
-attention and a SwiGLU MLP, numerically following transformers' `modeling_llama` (RMSNorm and
-RoPE tables in float32, attention softmax in float32).
+The Llama decoder, h += Attn(RMSNorm(h)); h += MLP(RMSNorm(h)), with RoPE, grouped-query
+attention and a gated MLP, numerically following transformers' `modeling_llama` (RMSNorm and
+RoPE tables in float32, attention softmax in float32), with the switches by which the other
+families differ (`jaxsft.models.families`): where the norms sit, q/k norms, fused projections,
+GeGLU, scaled embeddings, partial rotary, and per-layer windows and RoPE.
 
 The decoder layers are ONE `DecoderLayer` whose parameters carry a leading layer axis (L, ...).
 The forward pass runs `jax.lax.scan` over that axis, so XLA compiles a single layer body instead
@@ -31,131 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-# transformers `model_type` -> (architecture name, q/k/v bias forced on). Anything else is refused.
-SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                         "qwen2": "Qwen2ForCausalLM"}
-_SUPPORTED_ROPE = ("default", "llama3")
-
-
-@dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-  """The architecture. Hashable (it is static data of the model's graph)."""
-
-  vocab_size: int
-  hidden_size: int
-  intermediate_size: int
-  num_layers: int
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  rms_norm_eps: float = 1e-5
-  rope_theta: float = 10000.0
-  # Llama-3 rope scaling as sorted (key, value) pairs, e.g. (("factor", 8.0), ...); None: plain RoPE.
-  rope_scaling: tuple[tuple[str, Any], ...] | None = None
-  tie_word_embeddings: bool = False
-  qkv_bias: bool = False
-  o_bias: bool = False
-  mlp_bias: bool = False
-  sliding_window: int | None = None
-  model_type: str = "llama"
-  max_position_embeddings: int = 2048
-  bos_token_id: int | None = None
-  eos_token_id: int | list[int] | None = None
-  pad_token_id: int | None = None
-
-  @property
-  def architecture(self) -> str:
-    return SUPPORTED_MODEL_TYPES[self.model_type]
-
-
-def _get(cfg: Mapping[str, Any], *keys, default=None):
-  for k in keys:
-    if cfg.get(k) is not None:
-      return cfg[k]
-  return default
-
-
-def from_hf_config(hf_config) -> LlamaConfig:
-  """A `LlamaConfig` from a transformers config object or a `config.json` dict.
-
-  Accepts both the transformers 4 keys (`rope_theta`, `rope_scaling`) and the transformers 5
-  `rope_parameters`. Raises `ValueError` naming the architecture when it is not supported.
-  """
-  cfg = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
-  model_type = cfg.get("model_type")
-  if model_type not in SUPPORTED_MODEL_TYPES:
-    archs = cfg.get("architectures") or []
-    raise ValueError(
-        f"unsupported architecture: model_type={model_type!r} architectures={archs}; jaxsft supports "
-        f"{sorted(SUPPORTED_MODEL_TYPES)} ({', '.join(SUPPORTED_MODEL_TYPES.values())})")
-  for arch in cfg.get("architectures") or []:
-    if arch != SUPPORTED_MODEL_TYPES[model_type]:
-      raise ValueError(f"unsupported architecture {arch!r} (model_type {model_type!r}): jaxsft builds "
-                       f"causal LMs only ({SUPPORTED_MODEL_TYPES[model_type]})")
-  if cfg.get("hidden_act", "silu") != "silu":
-    raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} for {model_type}: only silu (SwiGLU)")
-
-  rope = dict(_get(cfg, "rope_parameters", default={}) or {})
-  legacy_scaling = cfg.get("rope_scaling") or {}
-  rope.update({k: v for k, v in legacy_scaling.items() if k not in rope})
-  rope_theta = float(_get(rope, "rope_theta", default=_get(cfg, "rope_theta", default=10000.0)))
-  rope_type = rope.get("rope_type", rope.get("type", "default"))
-  if rope_type not in _SUPPORTED_ROPE:
-    raise ValueError(f"unsupported rope type {rope_type!r} for {model_type}: jaxsft supports {_SUPPORTED_ROPE}")
-  if rope.get("partial_rotary_factor", 1.0) != 1.0:
-    raise ValueError(f"unsupported partial_rotary_factor {rope['partial_rotary_factor']} for {model_type}")
-  rope_scaling = None
-  if rope_type == "llama3":
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    missing = [k for k in keys if k not in rope]
-    if missing:
-      raise ValueError(f"llama3 rope scaling is missing {missing} in the config")
-    rope_scaling = tuple((k, float(rope[k])) for k in keys)
-
-  num_heads = int(cfg["num_attention_heads"])
-  hidden = int(cfg["hidden_size"])
-  qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
-  sliding_window = None
-  if model_type == "qwen2":
-    qkv_bias, o_bias = True, False  # Qwen2 always has q/k/v biases, never an o_proj bias
-    if cfg.get("use_sliding_window"):
-      raise ValueError("unsupported: Qwen2 with use_sliding_window=True (per-layer sliding windows)")
-  if model_type == "mistral":
-    sliding_window = cfg.get("sliding_window")
-  return LlamaConfig(
-      vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
-      intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
-      num_heads=num_heads, num_kv_heads=int(_get(cfg, "num_key_value_heads", default=num_heads)),
-      head_dim=int(_get(cfg, "head_dim", default=hidden // num_heads)),
-      rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
-      rope_scaling=rope_scaling, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-      qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
-      sliding_window=None if sliding_window is None else int(sliding_window), model_type=model_type,
-      max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-      bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"),
-      pad_token_id=cfg.get("pad_token_id"))
-
-
-def to_hf_config(config: LlamaConfig) -> dict[str, Any]:
-  """The `config.json` dict transformers reads back into the same architecture."""
-  out = {
-      "architectures": [config.architecture], "model_type": config.model_type,
-      "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-      "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
-      "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
-      "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps, "hidden_act": "silu",
-      "rope_theta": config.rope_theta, "tie_word_embeddings": config.tie_word_embeddings,
-      "max_position_embeddings": config.max_position_embeddings,
-      "bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
-      "pad_token_id": config.pad_token_id,
-  }
-  if config.rope_scaling:
-    out["rope_scaling"] = {"rope_type": "llama3", **dict(config.rope_scaling)}
-  if config.model_type == "llama":
-    out.update(attention_bias=config.qkv_bias, mlp_bias=config.mlp_bias)
-  if config.model_type == "mistral":
-    out["sliding_window"] = config.sliding_window
-  return out
+from jaxsft.models.families import (SUPPORTED_MODEL_TYPES, LlamaConfig, from_hf_config,  # noqa: F401
+                                   to_hf_config)
 
 
 def resolve_dtype(dtype) -> jnp.dtype:
@@ -170,15 +50,15 @@ def resolve_dtype(dtype) -> jnp.dtype:
 # RoPE, masks, attention
 
 
-@functools.lru_cache(maxsize=16)
-def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
-  """Inverse frequencies θ^(-2i/d), float32 like transformers (Llama-3 scaling applied)."""
-  dim = config.head_dim
+@functools.lru_cache(maxsize=32)
+def _inv_freq(dim: int, theta: float, scaling: tuple[tuple[str, Any], ...] | None) -> np.ndarray:
   exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-  inv_freq = (np.float32(1.0) / (np.float32(config.rope_theta) ** exponents)).astype(np.float32)
-  if config.rope_scaling is None:
+  inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)
+  if scaling is None:
     return inv_freq
-  s = dict(config.rope_scaling)
+  s = dict(scaling)
+  if s["rope_type"] == "linear":
+    return (inv_freq / np.float32(s["factor"])).astype(np.float32)
   factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
   old_len = s["original_max_position_embeddings"]
   wavelen = 2 * math.pi / inv_freq
@@ -189,15 +69,36 @@ def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
   return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_tables(positions: jax.Array, inv_freq: np.ndarray, dtype) -> tuple[jax.Array, jax.Array]:
-  """cos, sin of shape (B, T, 1, D) (rotate-half layout: frequencies repeated twice)."""
+def rope_inv_freq(config: LlamaConfig, kind: str = "global") -> np.ndarray | None:
+  """Inverse frequencies θ^(-2i/d) over the rotary dims, float32 like transformers: "global"
+  with the config's scaling (Llama-3 or linear), "local" with `rope_local_theta` unscaled
+  (Gemma 3's sliding layers), "none" (no RoPE: None)."""
+  if kind == "none":
+    return None
+  if kind == "local":
+    return _inv_freq(config.rotary_dim, config.rope_local_theta, None)
+  return _inv_freq(config.rotary_dim, config.rope_theta, config.rope_scaling)
+
+
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray | None, dtype, *,
+                rotary_dim: int | None = None) -> tuple[jax.Array, jax.Array]:
+  """cos, sin of shape (B, T, 1, R) (rotate-half layout: frequencies repeated twice). Without
+  frequencies (a layer without RoPE) cos = 1 and sin = 0, which `apply_rope` passes through
+  exactly (x·1 + r·0 = x)."""
+  if inv_freq is None:
+    shape = (*positions.shape, 1, rotary_dim)
+    return jnp.ones(shape, dtype), jnp.zeros(shape, dtype)
   freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
   emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
   return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-  """x * cos + rotate_half(x) * sin on (B, T, heads, D)."""
+  """x * cos + rotate_half(x) * sin on (B, T, heads, D), over the first R = cos.shape[-1]
+  dimensions (partial rotary); the rest pass through."""
+  rot = cos.shape[-1]
+  if rot < x.shape[-1]:
+    return jnp.concatenate([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], axis=-1)
   half = x.shape[-1] // 2
   rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
   return x * cos + rotated * sin
@@ -373,32 +274,79 @@ class Linear(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-  """weight * (x / sqrt(mean(x²) + eps)), normalized in float32, then cast back (as HF)."""
+  """w · (x / sqrt(mean(x²) + eps)), normalized in float32 (as HF). Three flavours, one per
+  family convention: Llama casts the normalized x back before scaling; with `weight_float32`
+  (OLMo 2) the scale multiplies in float32 and the product is cast; with `unit_offset` (Gemma)
+  the scale is (1 + w), in float32, and w starts at 0."""
 
-  def __init__(self, dim: int, eps: float, *, stack: tuple[int, ...], dtype):
-    self.weight = nnx.Param(jnp.ones((*stack, dim), dtype))
+  def __init__(self, dim: int, eps: float, *, stack: tuple[int, ...], dtype, unit_offset: bool = False,
+               weight_float32: bool = False):
+    self.weight = nnx.Param((jnp.zeros if unit_offset else jnp.ones)((*stack, dim), dtype))
     self.eps = eps
+    self.unit_offset = unit_offset
+    self.weight_float32 = weight_float32 or unit_offset
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return self.weight[...] * x32.astype(x.dtype)
+    if not self.weight_float32:
+      return self.weight[...] * x32.astype(x.dtype)
+    w = self.weight[...].astype(jnp.float32)
+    return (x32 * (1.0 + w if self.unit_offset else w)).astype(x.dtype)
+
+
+def _norm(config: LlamaConfig, dim: int, *, stack, dtype) -> RMSNorm:
+  return RMSNorm(dim, config.rms_norm_eps, stack=stack, dtype=dtype, unit_offset=config.norm_unit_offset,
+                 weight_float32=config.norm_weight_float32)
 
 
 class Attention(nnx.Module):
+  """Grouped-query self-attention with RoPE; per family: q/k/v in one fused `qkv_proj`
+  (Phi-3), RMSNorm on q and k per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2)."""
 
   def __init__(self, config: LlamaConfig, *, stack, dtype, attention: str, rngs: nnx.Rngs,
-               causal_block: int = 64):
+               causal_block: int = 64, sliding_window: int | None = None):
     h, d = config.hidden_size, config.head_dim
+    q_size, kv_size = config.num_heads * d, config.num_kv_heads * d
     kw = dict(stack=stack, dtype=dtype, rngs=rngs)
-    self.q_proj = Linear(h, config.num_heads * d, bias=config.qkv_bias, rng_index=0, **kw)
-    self.k_proj = Linear(h, config.num_kv_heads * d, bias=config.qkv_bias, rng_index=1, **kw)
-    self.v_proj = Linear(h, config.num_kv_heads * d, bias=config.qkv_bias, rng_index=2, **kw)
-    self.o_proj = Linear(config.num_heads * d, h, bias=config.o_bias, rng_index=3, **kw)
+    if config.fused_projections:
+      self.qkv_proj = Linear(h, q_size + 2 * kv_size, bias=config.qkv_bias, rng_index=0, **kw)
+    else:
+      self.q_proj = Linear(h, q_size, bias=config.qkv_bias, rng_index=0, **kw)
+      self.k_proj = Linear(h, kv_size, bias=config.qkv_bias, rng_index=1, **kw)
+      self.v_proj = Linear(h, kv_size, bias=config.qkv_bias, rng_index=2, **kw)
+    self.o_proj = Linear(q_size, h, bias=config.o_bias, rng_index=3, **kw)
+    self.qk_norm = config.qk_norm
+    if config.qk_norm is not None:
+      per_head = config.qk_norm == "head"
+      self.q_norm = _norm(config, d if per_head else q_size, stack=stack, dtype=dtype)
+      self.k_norm = _norm(config, d if per_head else kv_size, stack=stack, dtype=dtype)
+    self.fused = config.fused_projections
     self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+    self.scale = config.attention_scale
     self.attention = attention
     self.causal_block = causal_block
-    self.sliding_window = config.sliding_window
+    # static window for block skipping / cuDNN: the layers' common window (with windows that
+    # differ between layers the mask carries each layer's own)
+    self.sliding_window = sliding_window
+
+  def project(self, x, dropout_rng=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q (B, t, N, D), k and v (B, t, K, D), before RoPE (q/k norms applied)."""
+    b, t, _ = x.shape
+    q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+    if self.fused:
+      qkv = self.qkv_proj(x, dropout_rng)
+      q, k, v = qkv[..., :q_size], qkv[..., q_size:q_size + kv_size], qkv[..., q_size + kv_size:]
+    else:
+      q, k, v = self.q_proj(x, dropout_rng), self.k_proj(x, dropout_rng), self.v_proj(x, dropout_rng)
+    if self.qk_norm == "projection":
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = q.reshape(b, t, self.num_heads, self.head_dim)
+    k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
+    v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
+    if self.qk_norm == "head":
+      q, k = self.q_norm(q), self.k_norm(k)
+    return q, k, v
 
   def __call__(self, x, cos, sin, mask, dropout_rng=None, cache: KVCache | None = None,
                cache_start=0) -> tuple[jax.Array, KVCache | None]:
@@ -409,57 +357,95 @@ class Attention(nnx.Module):
     attend over all S slots (`mask` (B, 1, t, S), see `cache_attention_mask`).
     """
     b, t, _ = x.shape
-    q = self.q_proj(x, dropout_rng).reshape(b, t, self.num_heads, self.head_dim)
-    k = self.k_proj(x, dropout_rng).reshape(b, t, self.num_kv_heads, self.head_dim)
-    v = self.v_proj(x, dropout_rng).reshape(b, t, self.num_kv_heads, self.head_dim)
+    q, k, v = self.project(x, dropout_rng)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    scale = self.head_dim ** -0.5
     if cache is not None:
       cache = cache.write(k, v, cache_start)
-      out = ATTENTION[self.attention](q, cache.keys, cache.values, mask, scale)
+      out = ATTENTION[self.attention](q, cache.keys, cache.values, mask, self.scale)
     elif self.attention == "xla":  # causal self-attention: `mask` is causal (attention_mask_4d)
-      out = self_attention(q, k, v, mask, scale, block=self.causal_block, sliding_window=self.sliding_window)
+      out = self_attention(q, k, v, mask, self.scale, block=self.causal_block, sliding_window=self.sliding_window)
     else:
-      out = ATTENTION[self.attention](q, k, v, mask, scale)
+      out = ATTENTION[self.attention](q, k, v, mask, self.scale)
     return self.o_proj(out.reshape(b, t, -1), dropout_rng), cache
 
 
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
 class MLP(nnx.Module):
-  """SwiGLU: down(silu(gate(x)) * up(x))."""
+  """Gated MLP: down(act(gate(x)) * up(x)); act is SiLU (SwiGLU) or tanh-GELU (GeGLU), gate
+  and up are one fused `gate_up_proj` (gate first) for Phi-3."""
 
   def __init__(self, config: LlamaConfig, *, stack, dtype, rngs: nnx.Rngs):
     h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
     kw = dict(bias=bias, stack=stack, dtype=dtype, rngs=rngs)
-    self.gate_proj = Linear(h, i, rng_index=4, **kw)
-    self.up_proj = Linear(h, i, rng_index=5, **kw)
+    if config.fused_projections:
+      self.gate_up_proj = Linear(h, 2 * i, rng_index=4, **kw)
+    else:
+      self.gate_proj = Linear(h, i, rng_index=4, **kw)
+      self.up_proj = Linear(h, i, rng_index=5, **kw)
     self.down_proj = Linear(i, h, rng_index=6, **kw)
+    self.fused = config.fused_projections
+    self.act = config.hidden_act
 
   def __call__(self, x, dropout_rng=None):
-    return self.down_proj(jax.nn.silu(self.gate_proj(x, dropout_rng)) * self.up_proj(x, dropout_rng),
-                          dropout_rng)
+    if self.fused:
+      gate, up = jnp.split(self.gate_up_proj(x, dropout_rng), 2, axis=-1)
+    else:
+      gate, up = self.gate_proj(x, dropout_rng), self.up_proj(x, dropout_rng)
+    return self.down_proj(_ACTIVATIONS[self.act](gate) * up, dropout_rng)
 
 
 class DecoderLayer(nnx.Module):
+  """One decoder layer; the norms sit where the family puts them (`norm_placement`):
+
+    pre (Llama):       h += attn(input_ln(h));                 h += mlp(post_attention_ln(h))
+    post (OLMo 2):     h += post_attention_ln(attn(h));        h += post_feedforward_ln(mlp(h))
+    sandwich (Gemma):  h += post_attention_ln(attn(input_ln(h)));
+                       h += post_feedforward_ln(mlp(pre_feedforward_ln(h)))
+
+  (the attribute names are transformers' for each family, so weights map by name).
+  """
 
   def __init__(self, config: LlamaConfig, *, stack, dtype, attention: str, rngs: nnx.Rngs,
-               causal_block: int = 64):
-    eps = config.rms_norm_eps
-    self.input_layernorm = RMSNorm(config.hidden_size, eps, stack=stack, dtype=dtype)
+               causal_block: int = 64, sliding_window: int | None = None):
+    norm = functools.partial(_norm, config, config.hidden_size, stack=stack, dtype=dtype)
+    self.placement = config.norm_placement
+    if self.placement != "post":
+      self.input_layernorm = norm()
     self.self_attn = Attention(config, stack=stack, dtype=dtype, attention=attention, rngs=rngs,
-                               causal_block=causal_block)
-    self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, stack=stack, dtype=dtype)
+                               causal_block=causal_block, sliding_window=sliding_window)
+    self.post_attention_layernorm = norm()
+    if self.placement == "sandwich":
+      self.pre_feedforward_layernorm = norm()
+    if self.placement != "pre":
+      self.post_feedforward_layernorm = norm()
     self.mlp = MLP(config, stack=stack, dtype=dtype, rngs=rngs)
 
   def __call__(self, h, cos, sin, mask, dropout_rng=None, cache: KVCache | None = None,
                cache_start=0) -> tuple[jax.Array, KVCache | None]:
     """(new hidden states, updated cache or None): see `Attention.__call__` for the cache."""
-    attn_out, cache = self.self_attn(self.input_layernorm(h), cos, sin, mask, dropout_rng, cache, cache_start)
-    h = h + attn_out
-    return h + self.mlp(self.post_attention_layernorm(h), dropout_rng), cache
+    attn_in = h if self.placement == "post" else self.input_layernorm(h)
+    attn_out, cache = self.self_attn(attn_in, cos, sin, mask, dropout_rng, cache, cache_start)
+    if self.placement == "pre":
+      h = h + attn_out
+      return h + self.mlp(self.post_attention_layernorm(h), dropout_rng), cache
+    h = h + self.post_attention_layernorm(attn_out)
+    mlp_in = self.pre_feedforward_layernorm(h) if self.placement == "sandwich" else h
+    return h + self.post_feedforward_layernorm(self.mlp(mlp_in, dropout_rng)), cache
+
+
+def _variants(values: tuple) -> tuple[tuple, tuple[int, ...] | None]:
+  """(distinct values in first-seen order, per-layer index into them, or None when all agree)."""
+  distinct = tuple(dict.fromkeys(values))
+  if len(distinct) == 1:
+    return distinct, None
+  return distinct, tuple(distinct.index(v) for v in values)
 
 
 class CausalLM(nnx.Module):
-  """Llama-family causal LM. `model(input_ids, ...) -> logits (B, T, V)` in the compute dtype.
+  """Decoder-only causal LM of any supported family (`jaxsft.models.families`).
+  `model(input_ids, ...) -> logits (B, T, V)` in the compute dtype.
 
   Args:
     config: the architecture.
@@ -471,6 +457,10 @@ class CausalLM(nnx.Module):
     remat: None, a name in `REMAT_POLICIES`, or a `jax.checkpoint` policy callable: recompute
       each layer in the backward pass (less activation memory for long sequences).
     causal_block: query block size of the causal block skipping ("xla" on CPU).
+
+  Layers that differ (a window or not, their RoPE base, RoPE or none) stay one scanned layer:
+  the decoder builds each distinct mask and RoPE table once and hands every layer, as a scanned
+  index, the one it uses.
   """
 
   def __init__(self, config: LlamaConfig, *, dtype="float32", attention: str = "xla",
@@ -483,11 +473,14 @@ class CausalLM(nnx.Module):
     self.config = config
     self.dtype = dtype
     self.remat = remat
+    self.windows, self.window_index = _variants(config.layer_windows())
+    self.rope_kinds, self.rope_index = _variants(config.layer_rope_kinds())
     self.embed_tokens = nnx.Param(
         nnx.initializers.normal(0.02)(rngs.params(), (config.vocab_size, config.hidden_size), dtype))
     self.layers = DecoderLayer(config, stack=(config.num_layers,), dtype=dtype, attention=attention,
-                               rngs=rngs, causal_block=causal_block)
-    self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, stack=(), dtype=dtype)
+                               rngs=rngs, causal_block=causal_block,
+                               sliding_window=self.windows[0] if self.window_index is None else None)
+    self.norm = _norm(config, config.hidden_size, stack=(), dtype=dtype)
     self.lm_head = None if config.tie_word_embeddings else nnx.Param(
         nnx.initializers.normal(0.02)(rngs.params(), (config.vocab_size, config.hidden_size), dtype))
 
@@ -502,8 +495,8 @@ class CausalLM(nnx.Module):
     b, t = input_ids.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    mask = attention_mask_4d(b, t, attention_mask, segment_ids, self.config.sliding_window)
-    h, _ = self._decoder(input_ids, positions, mask, dropout_rng=dropout_rng)
+    masks = [attention_mask_4d(b, t, attention_mask, segment_ids, w) for w in self.windows]
+    h, _ = self._decoder(input_ids, positions, masks, dropout_rng=dropout_rng)
     return h
 
   def init_cache(self, batch_size: int, num_slots: int) -> KVCache:
@@ -521,28 +514,49 @@ class CausalLM(nnx.Module):
     window are counted in slots, see `cache_attention_mask`.
     """
     input_ids = jnp.asarray(input_ids)
-    mask = cache_attention_mask(cache_start, input_ids.shape[1], jnp.asarray(key_mask),
-                                self.config.sliding_window)
-    return self._decoder(input_ids, positions, mask, cache=cache, cache_start=cache_start)
+    masks = [cache_attention_mask(cache_start, input_ids.shape[1], jnp.asarray(key_mask), w)
+             for w in self.windows]
+    return self._decoder(input_ids, positions, masks, cache=cache, cache_start=cache_start)
 
-  def _decoder(self, input_ids, positions, mask, *, dropout_rng=None, cache: KVCache | None = None,
-               cache_start=0) -> tuple[jax.Array, KVCache | None]:
-    """Embed, run the scanned layer stack, final norm: (hidden states, updated cache or None)."""
-    cos, sin = rope_tables(jnp.asarray(positions), rope_inv_freq(self.config), self.dtype)
+  def embed(self, input_ids) -> jax.Array:
+    """Input embeddings (B, T, H); Gemma scales them by √hidden (in the compute dtype, as HF)."""
     h = jnp.take(self.embed_tokens[...], input_ids, axis=0)
+    if self.config.scale_embeddings:
+      h = h * jnp.asarray(self.config.hidden_size ** 0.5, jnp.float32).astype(h.dtype)
+    return h
+
+  def _decoder(self, input_ids, positions, masks, *, dropout_rng=None, cache: KVCache | None = None,
+               cache_start=0) -> tuple[jax.Array, KVCache | None]:
+    """Embed, run the scanned layer stack, final norm: (hidden states, updated cache or None).
+
+    `masks` holds one mask per distinct window (`self.windows`); with several, each layer picks
+    its own by a scanned index, and so with RoPE tables (`self.rope_kinds`)."""
+    positions = jnp.asarray(positions)
+    tables = [rope_tables(positions, rope_inv_freq(self.config, kind), self.dtype, rotary_dim=self.config.rotary_dim)
+              for kind in self.rope_kinds]
+    h = self.embed(input_ids)
 
     graphdef, layer_state = nnx.split(self.layers)
     keys = None if dropout_rng is None else jax.random.split(dropout_rng, self.config.num_layers)
+    if self.rope_index is None:
+      (cos, sin), = tables
+    else:
+      cos_all, sin_all = jnp.stack([c for c, _ in tables]), jnp.stack([s for _, s in tables])
+    mask_all = masks[0] if self.window_index is None else jnp.stack(masks)
+    rope_index = None if self.rope_index is None else jnp.asarray(self.rope_index, jnp.int32)
+    window_index = None if self.window_index is None else jnp.asarray(self.window_index, jnp.int32)
 
-    # `keys` and `cache` may be None (empty pytrees): the scan then carries nothing for them.
+    # `keys`, `cache` and the indices may be None (empty pytrees): the scan then carries nothing for them.
     def layer_step(h, xs):
-      state, key, layer_cache = xs
-      return nnx.merge(graphdef, state)(h, cos, sin, mask, key, layer_cache, cache_start)
+      state, key, layer_cache, r, w = xs
+      layer_cos, layer_sin = (cos, sin) if r is None else (cos_all[r], sin_all[r])
+      mask = mask_all if w is None else mask_all[w]
+      return nnx.merge(graphdef, state)(h, layer_cos, layer_sin, mask, key, layer_cache, cache_start)
 
     if self.remat is not None:
       policy = REMAT_POLICIES[self.remat] if isinstance(self.remat, str) else self.remat
       layer_step = jax.checkpoint(layer_step, policy=policy, prevent_cse=False)
-    h, cache = jax.lax.scan(layer_step, h, (layer_state, keys, cache))
+    h, cache = jax.lax.scan(layer_step, h, (layer_state, keys, cache, rope_index, window_index))
     return self.norm(h), cache
 
   def __call__(self, input_ids, attention_mask=None, positions=None, segment_ids=None, *,

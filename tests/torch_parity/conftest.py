@@ -94,6 +94,37 @@ def tiny_hf_config(kind: str):
   if kind == "qwen2":
     return transformers.Qwen2Config(**common, tie_word_embeddings=True, rms_norm_eps=1e-6,
                                     rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+  return family_hf_config(kind, common)
+
+
+# Tiny configs of the other families, each with several layers so that every layer kind of the
+# family appears (sliding and full, RoPE and NoPE), windows short enough to cut into 128-token
+# rows, and the family's own switches off their defaults where a default would hide a bug
+# (head_dim != hidden / heads, query_pre_attn_scalar != head_dim, partial rotary).
+FAMILIES = ("qwen3", "gemma3_text", "smollm3", "phi3", "olmo2")
+
+
+def family_hf_config(kind: str, common: dict):
+  common = dict(common, num_hidden_layers=4)
+  if kind == "qwen3":
+    return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False, use_sliding_window=True,
+                                    sliding_window=24, max_window_layers=2,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+  if kind == "gemma3_text":
+    return transformers.Gemma3TextConfig(
+        **common, head_dim=16, query_pre_attn_scalar=24, sliding_window=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+  if kind == "smollm3":
+    return transformers.SmolLM3Config(**common, no_rope_layers=[1, 0, 1, 0],
+                                      rope_parameters={"rope_type": "default", "rope_theta": 2e6})
+  if kind == "phi3":
+    return transformers.Phi3Config(**common, sliding_window=48,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                    "partial_rotary_factor": 0.5})
+  if kind == "olmo2":
+    return transformers.Olmo2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
   raise ValueError(kind)
 
 

@@ -98,7 +98,7 @@ def peft_named_grads(jax_model, grads) -> dict[str, np.ndarray]:
   holder = nnx.clone(jax_model)
   for name in holder.lora_settings.target_modules:
     src = grads["layers"]
-    for attr in lora.MODULE_PATHS[name]:
+    for attr in lora.module_paths(holder)[name]:
       src = src[attr]
     proj = lora._projection(holder, name)
     proj.lora_a.set_value(src["lora_a"][...])
