@@ -46,7 +46,7 @@ class LoraConfig:
   alpha: float = 16.0
   dropout: float = 0.0
   target_modules: tuple[str, ...] = ("q_proj", "v_proj")
-  """Module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) or all-linear."""
+  """Projections of the decoder layers, or all-linear: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj)."""
   rslora: bool = False
   """Scale by alpha/sqrt(r) instead of alpha/r."""
 

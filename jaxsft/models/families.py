@@ -82,7 +82,7 @@ class LlamaConfig:
   model_type: str = "llama"
   max_position_embeddings: int = 2048
   bos_token_id: int | None = None
-  eos_token_id: int | list[int] | None = None
+  eos_token_id: int | tuple[int, ...] | None = None
   pad_token_id: int | None = None
   qk_norm: str | None = None
   norm_placement: str = "pre"
@@ -209,6 +209,10 @@ def _layer_types(cfg: Mapping[str, Any], model_type: str, num_layers: int) -> li
   return [SLIDING if window is not None else FULL] * num_layers  # mistral, phi3: one window everywhere
 
 
+def _hashable(value):
+  return tuple(value) if isinstance(value, list) else value  # Llama 3, Gemma 3: several eos ids
+
+
 def from_hf_config(hf_config) -> LlamaConfig:
   """A `LlamaConfig` from a transformers config object or a `config.json` dict.
 
@@ -286,7 +290,7 @@ def from_hf_config(hf_config) -> LlamaConfig:
       sliding_window=None if window is None else int(window),
       layer_sliding=None if all(sliding) or not any(sliding) else tuple(sliding),
       model_type=model_type, max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-      bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"),
+      bos_token_id=cfg.get("bos_token_id"), eos_token_id=_hashable(cfg.get("eos_token_id")),
       pad_token_id=cfg.get("pad_token_id"), hidden_act=act, partial_rotary_factor=partial,
       rope_local_theta=rope_local_theta, layer_rope=layer_rope, **fields)
 
@@ -303,7 +307,8 @@ def to_hf_config(config: LlamaConfig) -> dict[str, Any]:
       "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps,
       "tie_word_embeddings": config.tie_word_embeddings,
       "max_position_embeddings": config.max_position_embeddings,
-      "bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
+      "bos_token_id": config.bos_token_id,
+      "eos_token_id": list(config.eos_token_id) if isinstance(config.eos_token_id, tuple) else config.eos_token_id,
       "pad_token_id": config.pad_token_id,
   }
   out["hidden_activation" if model_type == "gemma3_text" else "hidden_act"] = config.hidden_act

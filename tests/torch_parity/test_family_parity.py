@@ -15,7 +15,7 @@ import transformers
 from conftest import FAMILIES, tiny_hf_config
 from flax import nnx
 
-from jaxsft import generate, lora, loss, models
+from jaxsft import export, generate, lora, loss, models
 from jaxsft.data.tokenize import _render
 from parity_utils import (batch_of, grad_rel_err, jax_logits, jax_sums, jax_sums_and_lora_grads, model_inputs,
                           pack, peft_copy, peft_named_grads, randomize_lora_b, set_peft_weights, torch_logits,
@@ -184,6 +184,29 @@ def test_greedy_generation_matches_transformers(family, tokenizer):
   print(f"{kind}: {want}")
   assert got == want
   assert all(want)
+
+
+def test_merged_hf_export_loads_in_transformers_with_peft_logits(family, tokenizer, tmp_path):
+  kind, torch_model, jax_model = family
+  base = tmp_path / "base"  # the fixture's weights with a tokenizer, as a user's base folder
+  torch_model.save_pretrained(base)
+  tokenizer.save_pretrained(base)
+  tuned = randomize_lora_b(lora.apply_lora(nnx.clone(jax_model), r=8, alpha=16, target_modules="all-linear",
+                                           seed=1), scale=0.02)
+  lora.save_adapter(tuned, tmp_path / "adapter", base_model_name_or_path=str(base))
+  text = _render(tokenizer, [{"role": "user", "content": "Which word comes after 'river'? stone, river, cloud"}],
+                 generation_prompt=True)
+  ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+  with torch.no_grad():
+    want = peft_copy(torch_model, adapter=tmp_path / "adapter")(ids).logits.numpy()
+    assert np.abs(want - torch_model(ids).logits.numpy()).max() > 1e-2  # the adapter changes the logits
+    exported = transformers.AutoModelForCausalLM.from_pretrained(export.export(str(base), str(tmp_path / "adapter"),
+                                                                               tmp_path / "hf"), dtype=torch.float32)
+    got = exported.eval()(ids).logits.numpy()
+  assert type(exported) is type(torch_model)
+  err = float(np.abs(got - want).max())
+  print(f"{kind}: merged HF export vs peft max |Δlogit| {err:.1e}")
+  assert err <= 1e-4
 
 
 # Each family switch, turned off, moves the logits far past the tolerance above: the checks
