@@ -52,7 +52,9 @@ from jaxsft.models.hub import jaxsft_cache
 
 logger = logging.getLogger("jaxsft.data")
 
-STORE_VERSION = 1
+# Part of every store's key: a change in how labels are derived (2: reply spans located in the
+# full render, so templates that render the last turn differently label as they render) builds new stores.
+STORE_VERSION = 2
 _ARRAYS = ("offsets", "full_lengths", "first_trained", "record_offsets")
 _BLOBS = ("tokens.bin", "trained.bin", "records.bin")
 _CRC_CHUNK = 1 << 24

@@ -1,14 +1,36 @@
 """Chat records to token ids and labels, masked from the reply spans in the rendered text.
 
 A record `{"messages": [...]}` is rendered with the tokenizer's chat template
-(`apply_chat_template(..., tokenize=False)`) and tokenized once with character offsets. The
-trained characters of assistant turn i are found by rendering prefixes of the conversation:
+(`apply_chat_template(..., tokenize=False)`) into F, the whole conversation, and tokenized once
+with character offsets. The trained characters of assistant turn i are located in F itself: a
+template may render a turn differently once later turns follow (Qwen3 gives only the turn after
+the last user query a think block), so renders of a part of the conversation are used only for
+what comes before the turn and for the template text after a reply:
 
-  - `G_i = render(messages[:i], add_generation_prompt=True)` ends where the reply starts
-    (the generation prompt, e.g. `<|im_start|>assistant\\n`, is not trained);
-  - `P_i = render(messages[:i+1])` ends after the turn; the text between the reply's end and
-    `len(P_i)`, without trailing whitespace, is its end-of-turn marker (`<|im_end|>` in ChatML)
-    and is trained too.
+  - start: `G_i = render(messages[:i], add_generation_prompt=True)`. F must start with it, and
+    everything after it is the model's to produce: the generation prompt (e.g.
+    `<|im_start|>assistant\\n`) is not trained, what the template renders between it and the
+    reply's text is (Qwen3's `<think>\\n\\n</think>\\n\\n`). For a first message, or where F does
+    not start with `G_i`, the reply starts where its text (or its stripped text) is found after
+    `render(messages[:i])`.
+  - reply end: F rendered with turn i's text replaced by a sentinel; the text after the sentinel
+    must be a suffix of F (the rest of the conversation does not depend on the reply's text), and
+    the reply ends where that suffix begins, also when the template trims the reply or moves its
+    reasoning out.
+  - end-of-turn marker, trained too: `P_i = render(messages[:i+1])` (turn i last) gives the text
+    after the reply when it ends the conversation. The marker is the longest part of it, cut
+    before whitespace and without trailing whitespace, that the render also continues with when
+    another turn follows (F after the reply; for the final turn, F with a user turn appended):
+    `<|im_end|>` (ChatML), `<end_of_turn>` (Gemma), `<|end|>` (Phi-3, whose `<|endoftext|>` after
+    the final turn closes the conversation and is not trained), the eos (OLMo 2).
+
+Reasoning templates: the labels follow F. Qwen3 renders the turn after the last user query as
+`<think>\\n{reasoning}\\n</think>\\n\\n{reply}` (the reasoning from `reasoning_content` or from a
+reply written as `<think>...</think>...`, else empty) and all of it is trained, as its generation
+prompt does not contain the block; earlier turns render without their reasoning, and only what is
+rendered is trained. SmolLM3 in /think mode (the default) renders replies as written, a
+`<think>...</think>` included, and trains them; with /no_think in the system message its
+generation prompt ends with the empty `<think>\\n\\n</think>\\n` block, which is then prompt.
 
 A token is trained when its character span overlaps a trained span: with SmolLM2 a reply that
 starts with "\\n" merges with the "\\n" after `assistant` into one token, which is then trained
@@ -31,15 +53,17 @@ Two encoders: `tokenize_example` (one record, the reference) and `tokenize_recor
 the pipeline's entry points so that they encode nothing again. `encode_batches` is also what the
 token store (store.py) writes, so both give exactly `tokenize_example`'s examples.
 
-Fast path (`SpanRenderer`, used by `encode_batches`): rendering prefixes costs two template
-renders per assistant turn. Instead, each conversation *shape* (the roles, and which contents are
-empty) is rendered once with unique sentinel strings in place of the contents; that gives the
-template text around every content and, in sentinel coordinates, every quantity the prefix rule
-above needs (where `P_i` ends, where the reply may start). A conversation is then rendered once,
-and the fast path is taken only if that text equals the sentinel skeleton with the contents put
-back (the template treats the contents as opaque text); the prefix rule is then applied to the
-verified text, with the prefix lengths mapped from sentinel to real coordinates. Otherwise (a
-template that trims, escapes or branches on content) the record takes the prefix-render path.
+Fast path (`SpanRenderer`, used by `encode_batches`): the rule above costs three or four template
+renders per assistant turn (`render_with_spans`, the reference). Instead, each conversation
+*shape* (the roles, and which contents are empty) is rendered once with unique sentinel strings in
+place of the contents; that gives the template text around every content and, in sentinel
+coordinates, every quantity the rule needs (where each generation prompt and each reply end, the
+template text after a reply). A conversation is then rendered once, and the fast path is taken
+only if that text equals the sentinel skeleton with the contents put back (the template treats the
+contents as opaque text); the rule is then applied to the verified text, with the positions mapped
+from sentinel to real coordinates (the marker of a turn that is not the last is cut against the
+real text that follows it). Otherwise (a template that trims, escapes or branches on content) the
+record takes the reference path.
 
 Labels from character offsets need every token's offsets (a Python list per example, ~15% of the
 encode time). For byte-level BPE tokenizers without a normalizer or offset trimming, every token
@@ -357,7 +381,7 @@ class SpanRenderer:
     self.tokenizer, self.train_on = tokenizer, train_on
     self.bos = _bos_prefix(tokenizer)
     self.plans: dict[tuple, _ShapePlan | None] = {}
-    self.fallbacks = 0  # records that took the prefix-render path
+    self.fallbacks = 0  # records that took the reference path (`render_with_spans`)
     self._direct = _direct_renderer(tokenizer)
 
   def __call__(self, record: dict) -> tuple[str, list[tuple[int, int]]]:
@@ -397,7 +421,7 @@ class SpanRenderer:
 
   def _plan(self, shape) -> _ShapePlan | None:
     """The shape's sentinel render, or None when positions cannot be mapped (then records of this
-    shape take the prefix-render path, which also raises the errors it raises)."""
+    shape take the reference path, which also raises the errors it raises)."""
     sentinels = [_SENTINEL.format(i) for i in range(len(shape))]
     messages = [{"role": role, "content": "" if empty else sentinels[i]} for i, (role, empty) in enumerate(shape)]
     render = lambda msgs, gen=False: _render(self.tokenizer, msgs, generation_prompt=gen)
