@@ -101,11 +101,14 @@ def tiny_hf_config(kind: str):
 # family appears (sliding and full, RoPE and NoPE), windows short enough to cut into 128-token
 # rows, and the family's own switches off their defaults where a default would hide a bug
 # (head_dim != hidden / heads, query_pre_attn_scalar != head_dim, partial rotary).
-FAMILIES = ("qwen3", "gemma3_text", "smollm3", "phi3", "olmo2")
+FAMILIES = ("mistral", "qwen3", "gemma3_text", "smollm3", "phi3", "olmo2")
 
 
 def family_hf_config(kind: str, common: dict):
   common = dict(common, num_hidden_layers=4)
+  if kind == "mistral":
+    return transformers.MistralConfig(**common, sliding_window=24, tie_word_embeddings=False,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 1e4})
   if kind == "qwen3":
     return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False, use_sliding_window=True,
                                     sliding_window=24, max_window_layers=2,

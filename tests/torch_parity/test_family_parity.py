@@ -1,4 +1,4 @@
-"""Every family beyond Llama (Qwen3, Gemma 3, SmolLM3, Phi-3, OLMo 2) against transformers + peft.
+"""Every family beyond Llama (Mistral, Qwen3, Gemma 3, SmolLM3, Phi-3, OLMo 2) against transformers + peft.
 
 Each family is a tiny random model built by transformers from its own config class (4 layers, so
 that sliding and full layers, RoPE and NoPE layers, all appear; see `conftest.family_hf_config`),
@@ -45,7 +45,7 @@ def test_config_reads_the_family_and_writes_it_back(family):
   written = transformers.AutoConfig.for_model(**models.to_hf_config(config))
   assert models.from_hf_config(written) == config
   # the layer kinds the tiny config was built to mix are really there
-  kinds = {"qwen3": (config.layer_windows(), {None, 24}), "gemma3_text": (config.layer_rope_kinds(), {"local", "global"}),
+  kinds = {"mistral": (config.layer_windows(), {24}), "qwen3": (config.layer_windows(), {None, 24}), "gemma3_text": (config.layer_rope_kinds(), {"local", "global"}),
            "smollm3": (config.layer_rope_kinds(), {"none", "global"}), "phi3": (config.layer_windows(), {48}),
            "olmo2": ((config.norm_placement,), {"post"})}
   values, expected = kinds[kind]
@@ -212,6 +212,7 @@ def test_merged_hf_export_loads_in_transformers_with_peft_logits(family, tokeniz
 # Each family switch, turned off, moves the logits far past the tolerance above: the checks
 # would see a switch that jaxsft ignored or applied in the wrong place.
 SWITCHES = {
+    "mistral": [{"sliding_window": None}],
     "qwen3": [{"sliding_window": None, "layer_sliding": None}, {"qk_norm": None}],
     "gemma3_text": [{"rope_local_theta": None}, {"norm_unit_offset": False}, {"scale_embeddings": False},
                     {"query_pre_attn_scalar": None}, {"hidden_act": "silu"}, {"sliding_window": None, "layer_sliding": None}],
