@@ -1,5 +1,7 @@
 """`python -m jaxsft.export`: the merged model reloads to the same logits (HF folder, sharded,
-GGUF in float32, float16, bfloat16 and q8_0), and bad inputs exit 2 writing nothing."""
+GGUF in float32, float16, bfloat16 and q8_0), and bad inputs exit 2 writing nothing. GGUF of
+Qwen3, Gemma 3, SmolLM3, Phi-3 and OLMo 2: the round trip through jaxsft, llama.cpp's layout, and
+the models and files llama.cpp would run differently, refused."""
 
 import json
 import os
@@ -150,3 +152,192 @@ def test_cli_bad_inputs_exit_2_and_write_nothing(tiny, tmp_path, tokenizer):
     assert last.startswith("error:") and message in last, (name, last)
     assert not out.exists(), name
   assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "other"]
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF of the other families, in llama.cpp's conventions (jaxsft.export.gguf_refusal says which
+# settings llama.cpp fixes without a key; those variants are refused below).
+
+L6 = ["sliding_attention"] * 5 + ["full_attention"]
+# The tiny family configs of tiny_model.FAMILY_CONFIGS, changed only where llama.cpp has no key
+# for the setting: Qwen3 without sliding layers; Gemma 3 with llama.cpp's period-6 pattern (six
+# layers: five sliding, one full) and query_pre_attn_scalar = head_dim; SmolLM3 with its real NoPE
+# layers (every 4th). Phi-3 (partial rotary, one window) and OLMo 2 are written as they are.
+GGUF_FAMILIES = {
+    "qwen3": {"use_sliding_window": False, "sliding_window": None, "layer_types": None},
+    "gemma3_text": {"num_hidden_layers": 6, "layer_types": L6, "query_pre_attn_scalar": 16},
+    "smollm3": {"no_rope_layers": [1, 1, 1, 0]},
+    "phi3": {}, "olmo2": {},
+}
+GGUF_ARCH = {"qwen3": "qwen3", "gemma3_text": "gemma3", "smollm3": "smollm3", "phi3": "phi3", "olmo2": "olmo2"}
+LONG_IDS = jnp.asarray(np.random.default_rng(3).integers(0, 49152, (1, 70)), jnp.int32)  # past every window
+
+
+def gguf_family_config(kind, **changes):
+  from tiny_model import family_config
+
+  hf = models.to_hf_config(family_config(kind))
+  hf.update({**GGUF_FAMILIES[kind], **changes})
+  return models.from_hf_config(hf)
+
+
+def write_family_dir(path, tokenizer, config, seed=0):
+  """A random model of `config` as an HF folder, norms (and biases) random so each one shows."""
+  from safetensors.numpy import save_file
+
+  path.mkdir(parents=True)
+  rng = np.random.default_rng(seed)
+  tensors = {}
+  for name, value in models.to_hf_state_dict(models.init_random(config, seed=seed)).items():
+    value = np.array(value, np.float32)
+    tensors[name] = rng.uniform(0.5, 1.5, value.shape).astype(np.float32) if value.ndim == 1 else value
+  save_file(tensors, str(path / "model.safetensors"))
+  (path / "config.json").write_text(json.dumps(models.to_hf_config(config)))
+  tokenizer.save_pretrained(str(path))
+  return path, tensors
+
+
+@pytest.fixture(scope="module", params=sorted(GGUF_FAMILIES))
+def family_gguf(request, tmp_path_factory, tokenizer):
+  kind = request.param
+  root = tmp_path_factory.mktemp(f"gguf-{kind}")
+  folder, tensors = write_family_dir(root / "hf", tokenizer, gguf_family_config(kind))
+  out = export.export(str(folder), None, root / "gguf", fmt="gguf")
+  return kind, folder, tensors, out / "model.gguf"
+
+
+def test_family_gguf_reloads_to_the_same_config_and_logits(family_gguf):
+  """jaxsft model -> GGUF -> load_causal_lm: the same LlamaConfig and bit-identical float32
+  logits (Gemma 3's norms are stored as 1 + w; w may lose its last bit, 1 + w does not)."""
+  kind, folder, _, gguf_path = family_gguf
+  base = models.load_causal_lm(str(folder))
+  again = models.load_causal_lm(str(gguf_path))
+  assert again.config == base.config and again.config.model_type == kind
+  with jax.default_matmul_precision("highest"):
+    np.testing.assert_array_equal(np.asarray(again(LONG_IDS)), np.asarray(base(LONG_IDS)))
+
+
+def test_family_gguf_is_in_llama_cpp_layout(family_gguf):
+  """Names as the gguf package's TensorNameMap gives them for the arch, q/k rows permuted only
+  for smollm3 (llama.cpp's LlamaModel converter), norms + 1 only for gemma3, the keys llama.cpp
+  reads for the family."""
+  import gguf
+  from gguf import GGUFReader
+
+  kind, _, tensors, gguf_path = family_gguf
+  arch = GGUF_ARCH[kind]
+  config = gguf_family_config(kind)
+  reader = GGUFReader(str(gguf_path))
+  field = lambda k: reader.fields[k].contents() if k in reader.fields else None
+  assert field("general.architecture") == arch
+  stored = {t.name: np.asarray(t.data) for t in reader.tensors}
+  name_map = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), config.num_layers)
+  expected = {}
+  for hf_name, value in tensors.items():
+    if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+      continue
+    stem, leaf = hf_name.rsplit(".", 1)
+    expected[f"{name_map.get_name(stem)}.{leaf}"] = value
+  assert sorted(stored) == sorted(expected)
+  q = tensors["model.layers.0.self_attn.q_proj.weight" if kind != "phi3" else "model.layers.0.self_attn.qkv_proj.weight"]
+  stored_q = stored["blk.0.attn_q.weight" if kind != "phi3" else "blk.0.attn_qkv.weight"]
+  if kind == "smollm3":
+    np.testing.assert_array_equal(stored_q, export.permute_qk(q, config.num_heads))
+  else:
+    np.testing.assert_array_equal(stored_q, q)
+  for gguf_name, value in expected.items():
+    if gguf_name.endswith("norm.weight"):
+      np.testing.assert_array_equal(stored[gguf_name], value + np.float32(kind == "gemma3_text"), err_msg=gguf_name)
+  assert field(f"{arch}.attention.key_length") == config.head_dim
+  assert field(f"{arch}.rope.dimension_count") == (config.head_dim // 2 if kind == "phi3" else config.head_dim)
+  window = {"gemma3_text": 24, "phi3": 48}.get(kind)
+  assert field(f"{arch}.attention.sliding_window") == window
+  if kind == "gemma3_text":
+    assert field("gemma3.rope.scaling.type") == "linear" and field("gemma3.rope.scaling.factor") == 8.0
+    assert field("gemma3.rope.freq_base") == 1e6 and field("gemma3.rope.freq_base_swa") == 1e4
+
+
+@pytest.mark.parametrize("kind,changes,reason", [
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 2, "layer_types": None},
+     "sliding-window attention \\(window 24\\): jaxsft writes qwen3 without one"),
+    ("gemma3_text", {"num_hidden_layers": 4, "layer_types": L6[4:] * 2},  # sliding, full, sliding, full
+     "slides exactly the layers i with i % 6 < 5 .*this model slides \\[0, 2\\] of 4"),
+    ("gemma3_text", {"query_pre_attn_scalar": 24}, "scales attention by 1/sqrt\\(16\\)"),
+    ("gemma3_text", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 5e4}}},
+     "sliding layers' RoPE base at 10000; this model's is 50000"),
+    ("smollm3", {"no_rope_layers": [1, 0, 1, 0]}, "leaves RoPE out of exactly the layers i with \\(i \\+ 1\\) % 4 == 0"),
+    ("smollm3", {"no_rope_layers": [1, 1, 1, 1]}, "this model leaves it out of \\[\\]"),
+    ("olmo2", {"sliding_window": 16}, "jaxsft writes olmo2 without one"),
+    ("phi3", {"attention_bias": True}, "jaxsft writes phi3 without bias tensors"),
+])
+def test_gguf_export_refuses_what_llama_cpp_would_run_differently(kind, changes, reason):
+  config = gguf_family_config(kind, **changes)
+  with pytest.raises(export.ExportError, match=f"cannot express this {kind} model: .*{reason}"):
+    export.check_gguf(config)
+
+
+def test_gguf_export_of_the_tiny_family_models_refuses_them_writing_nothing(tmp_path, tokenizer):
+  """The tiny Qwen3 (sliding layers), Gemma 3 (period-2 pattern, query_pre_attn_scalar 24) and
+  SmolLM3 (NoPE on layers 1 and 3) have settings llama.cpp fixes otherwise: refused, no --out."""
+  from tiny_model import family_config
+
+  for kind in ("qwen3", "gemma3_text", "smollm3"):
+    folder, _ = write_family_dir(tmp_path / kind, tokenizer, family_config(kind))
+    with pytest.raises(export.ExportError, match=f"GGUF export cannot express this {kind} model"):
+      export.export(str(folder), None, tmp_path / f"{kind}-gguf", fmt="gguf")
+    assert not (tmp_path / f"{kind}-gguf").exists()
+  assert export.gguf_refusal(family_config("phi3")) is None and export.gguf_refusal(family_config("olmo2")) is None
+
+
+def metadata_gguf(path, arch, *edits, tensors=("token_embd.weight",)):
+  """A GGUF file of `arch` with the usual tiny metadata, then `edits` (writer method, value...)."""
+  import gguf
+
+  writer = gguf.GGUFWriter(str(path), arch)
+  writer.add_block_count(6)
+  writer.add_embedding_length(64)
+  writer.add_feed_forward_length(96)
+  writer.add_head_count(4)
+  writer.add_layer_norm_rms_eps(1e-6)
+  writer.add_vocab_size(8)
+  for method, *args in edits:
+    getattr(writer, method)(*args)
+  for name in tensors:
+    writer.add_tensor(name, np.zeros((8, 64) if name == "token_embd.weight" else (16,), np.float32))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  return path
+
+
+def test_gguf_reading_refuses_files_it_cannot_read_faithfully(tmp_path):
+  import gguf
+
+  window = ("add_sliding_window", 16)
+  cases = {
+      "olmo3": ("olmo2", [window], (), "olmo2.attention.sliding_window = 16: .*OLMo 3"),
+      "gemma3 without window": ("gemma3", [], (), "gemma3.attention.sliding_window = None"),
+      "gemma3 period 2": ("gemma3", [window, ("add_sliding_window_pattern", 2)], (),
+                          "gemma3.attention.sliding_window_pattern = 2: llama.cpp's gemma3 fixes the pattern"),
+      "gemma3 local base": ("gemma3", [window, ("add_rope_freq_base_swa", 1e6)], (), "gemma3.rope.freq_base_swa"),
+      "softcapping": ("gemma3", [window, ("add_final_logit_softcapping", 30.0)], (), "final_logit_softcapping"),
+      "yarn": ("phi3", [("add_rope_scaling_type", gguf.RopeScalingType.YARN)], (), "phi3.rope.scaling.type = 'yarn'"),
+      "longrope": ("phi3", [], ("token_embd.weight", "rope_factors_long.weight"), "Phi-3 LongRoPE"),
+      "biases": ("qwen3", [], ("token_embd.weight", "blk.0.attn_q.bias"), "qwen3 with bias tensors"),
+      "partial rotary": ("qwen3", [("add_rope_dimension_count", 8)], (), "qwen3.rope.dimension_count = 8"),
+      "arch": ("gemma2", [], (), "unsupported GGUF architecture 'gemma2'"),
+  }
+  for name, (arch, edits, tensors, message) in cases.items():
+    path = metadata_gguf(tmp_path / f"{name}.gguf", arch, *edits, tensors=tensors or ("token_embd.weight",))
+    with pytest.raises(ValueError, match=message):
+      loading.read_gguf(path)
+  # the keys a newer converter adds are read when they agree with what llama.cpp fixes
+  path = metadata_gguf(tmp_path / "gemma3.gguf", "gemma3", window, ("add_sliding_window_pattern", 6),
+                       ("add_rope_freq_base_swa", 1e4), ("add_key_length", 16))
+  from gguf import GGUFReader
+
+  config = models.from_hf_config(loading.gguf_config(GGUFReader(str(path)), str(path)))
+  assert config.layer_windows() == (16,) * 5 + (None,) and config.rope_local_theta == 1e4
+  assert config.query_pre_attn_scalar == 16 and config.norm_unit_offset
