@@ -1,4 +1,4 @@
-"""Models: Llama-family causal LMs in Flax NNX and their loading (no torch)."""
+"""Models: decoder-only causal LMs in Flax NNX (Llama, Mistral, Qwen2/3, Gemma 3, SmolLM3, Phi-3, OLMo 2) and their loading (no torch)."""
 
 from jaxsft.models.hub import ModelSource, load_tokenizer, resolve_model
 from jaxsft.models.llama import (CausalLM, Llama, LlamaConfig, from_hf_config, from_hf_state_dict,
