@@ -103,3 +103,62 @@ def test_vs_torch_keeps_contended_runs_out_of_the_summary():
             "model": "tiny", "dtype": "float32", "reps": 2, "steps": 2, "summary": {"8x128": per}}
   text = vs_torch.markdown(result, "test")
   assert "**CONTENDED**" in text and "| 8x128 | torch_eager (contended) |" in text
+
+
+def test_compile_time_quick_has_a_row_per_family(tmp_path):
+  """`--quick`: every family at 2 layers, one shape, one cold compile each in its own process
+  (the session's persistent XLA cache is kept out of the workers)."""
+  import json
+
+  from benchmarks import compile_time
+
+  assert compile_time.main(["--quick", "--results-dir", str(tmp_path), "--no-hlo"]) == 0
+  result = json.loads((tmp_path / "compile_time.json").read_text())
+  (per,) = result["summary"].values()
+  assert list(per) == list(compile_time.FAMILIES)
+  for family, s in per.items():
+    assert s["status"] == "ok", family
+    assert s["median_s"] > 0 and s["min_s"] > 0 and s["ratio_median"] > 0, family
+  assert per["llama"]["ratio_median"] == 1.0
+  for entry in result["runs"]:
+    for run in entry["runs"]:
+      assert run["compiles"] >= 1 and "/jax/compilation_cache/cache_hits" not in run["cache_events"]
+  text = (tmp_path / "compile_time.md").read_text()
+  for family in compile_time.FAMILIES:
+    assert f"| {family} |" in text
+
+
+def test_compile_time_counts_hlo_ops_inside_while_bodies():
+  from benchmarks import compile_time
+
+  text = """HloModule m
+
+%fused (p: f32[2]) -> f32[2] {
+  %p = f32[2]{0} parameter(0)
+  ROOT %e = f32[2]{0} exponential(%p)
+}
+
+%loop_body (t: (s32[], f32[2])) -> (s32[], f32[2]) {
+  %t = (s32[], f32[2]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[2]{0} get-tuple-element(%t), index=1
+  %f = f32[2]{0} fusion(%x), kind=kLoop, calls=%fused
+  ROOT %r = (s32[], f32[2]{0}) tuple(%i, %f)
+}
+
+%cond (t: (s32[], f32[2])) -> pred[] {
+  %t = (s32[], f32[2]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (a: (s32[], f32[2])) -> (s32[], f32[2]) {
+  %a = (s32[], f32[2]{0}) parameter(0)
+  ROOT %w = (s32[], f32[2]{0}) while(%a), condition=%cond, body=%loop_body
+}
+"""
+  counts = compile_time.hlo_op_counts(text)
+  assert counts["module_ops"] == 13 and counts["computations"] == 4
+  (loop,) = counts["while_loops"]
+  assert loop["body"] == "loop_body" and loop["ops"] == 7 and loop["fusions"] == 1 and loop["top"]["exponential"] == 1
