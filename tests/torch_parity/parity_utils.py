@@ -68,6 +68,25 @@ def torch_nll_sum64(logits, labels):
   return nll, int((targets != -100).sum())
 
 
+def packed_example_losses(jax_model, packed) -> list[float]:
+  """jaxsft's mean loss of every segment of a packed batch, row by row."""
+  seg_nll, seg_n = loss.per_example_nll(jax_logits(jax_model, model_inputs(packed)), packed["labels"],
+                                        packed["segment_ids"], num_segments=int(packed["segment_ids"].max()))
+  return [float(seg_nll[r, s]) / int(seg_n[r, s])
+          for r in range(seg_n.shape[0]) for s in range(1, seg_n.shape[1]) if seg_n[r, s] > 0]
+
+
+def torch_row_losses(torch_model, batch) -> list[float]:
+  """transformers' mean loss of every row of an unpacked batch (float64 sums)."""
+  with torch.no_grad():
+    t_logits = torch_logits(torch_model, batch)
+  out = []
+  for r in range(t_logits.shape[0]):
+    nll, n = torch_nll_sum64(t_logits[r:r + 1], batch["labels"][r:r + 1])
+    out.append(nll.item() / n)
+  return out
+
+
 def model_inputs(batch):
   keys = ("input_ids", "attention_mask", "positions", "segment_ids")
   return {k: batch[k] for k in keys if k in batch}

@@ -18,8 +18,8 @@ from flax import nnx
 from jaxsft import export, generate, lora, loss, models
 from jaxsft.data.tokenize import _render
 from parity_utils import (batch_of, grad_rel_err, jax_logits, jax_sums, jax_sums_and_lora_grads, model_inputs,
-                          pack, peft_copy, peft_named_grads, randomize_lora_b, set_peft_weights, torch_logits,
-                          torch_lora_grads, torch_nll_sum64)
+                          pack, packed_example_losses, peft_copy, peft_named_grads, randomize_lora_b, set_peft_weights,
+                          torch_logits, torch_lora_grads, torch_nll_sum64, torch_row_losses)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -76,17 +76,8 @@ def test_packed_rows_give_transformers_per_example_losses(family, examples):
   feats = sorted(examples[:12], key=lambda f: len(f["input_ids"]))[:6]
   packed = pack(feats, 256)
   assert packed["segment_ids"].max() >= 2
-  seg_nll, seg_n = loss.per_example_nll(jax_logits(jax_model, model_inputs(packed)), packed["labels"],
-                                        packed["segment_ids"], num_segments=int(packed["segment_ids"].max()))
-  packed_losses = [float(seg_nll[r, s]) / int(seg_n[r, s])
-                   for r in range(seg_n.shape[0]) for s in range(1, seg_n.shape[1]) if seg_n[r, s] > 0]
-  unpacked = batch_of(feats, buckets=(128,))
-  with torch.no_grad():
-    t_logits = torch_logits(torch_model, unpacked)
-  torch_losses = []
-  for r in range(len(feats)):
-    nll, n = torch_nll_sum64(t_logits[r:r + 1], unpacked["labels"][r:r + 1])
-    torch_losses.append(nll.item() / n)
+  packed_losses = packed_example_losses(jax_model, packed)
+  torch_losses = torch_row_losses(torch_model, batch_of(feats, buckets=(128,)))
   print(f"{kind}: max |Δ per-example loss| {np.abs(np.array(packed_losses) - torch_losses).max():.1e}")
   np.testing.assert_allclose(packed_losses, torch_losses, rtol=1e-5)
 
@@ -94,6 +85,14 @@ def test_packed_rows_give_transformers_per_example_losses(family, examples):
 def _lora(jax_model, seed=0):
   return randomize_lora_b(lora.apply_lora(nnx.clone(jax_model), r=4, alpha=8, target_modules="all-linear",
                                           seed=seed))
+
+
+# Gemma 3's embeddings are scaled by √hidden (×8 here) and its sandwich norms rescale every
+# residual, so the float32 reduction-order noise of a re-padded batch is larger: 4-7e-6 on the
+# LoRA gradients for 128 vs 192 columns. Computed in float64 the same two batches give the same
+# loss exactly and gradients within 1.8e-7 (the float32 LoRA params' own rounding): noise, not a
+# leak. The other families stay within 1e-6.
+GRAD_NOISE_FLOOR = {"gemma3_text": 1e-5}
 
 
 def test_pad_id_and_bucket_change_neither_loss_nor_gradients(family, examples):
@@ -109,7 +108,7 @@ def test_pad_id_and_bucket_change_neither_loss_nor_gradients(family, examples):
     (nll, n), grads = run(batch)
     assert int(n) == int(ref_n)
     assert abs(float(nll) - float(ref_nll)) <= 1e-6 * abs(float(ref_nll))
-    assert grad_rel_err(grads, ref_grads) <= 1e-6
+    assert grad_rel_err(grads, ref_grads) <= GRAD_NOISE_FLOOR.get(kind, 1e-6)
 
 
 def test_lora_gradients_on_every_linear_layer_match_peft(family, examples):

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from jaxsft import loss
-from parity_utils import (PAD, batch_of, grad_rel_err, within_float32_floor, jax_logits, jax_sums, model_inputs, pack, torch_logits,
-                          torch_nll_sum64)
+from parity_utils import (PAD, batch_of, grad_rel_err, jax_logits, jax_sums, model_inputs, pack, packed_example_losses,
+                          torch_logits, torch_nll_sum64, torch_row_losses, within_float32_floor)
 
 
 def real_token_logit_gap(t_logits, j_logits, mask):
@@ -113,19 +113,10 @@ def test_packed_rows_give_the_per_example_losses_of_unpacked_rows(pair, examples
   assert packed["segment_ids"].max() >= 2  # at least one row holds several examples
   unpacked = batch_of(feats, buckets=(128,))
 
-  seg_nll, seg_n = loss.per_example_nll(jax_logits(jax_model, model_inputs(packed)), packed["labels"],
-                                        packed["segment_ids"], num_segments=int(packed["segment_ids"].max()))
-  packed_losses = [float(seg_nll[r, s]) / int(seg_n[r, s])
-                   for r in range(seg_n.shape[0]) for s in range(1, seg_n.shape[1]) if seg_n[r, s] > 0]
+  packed_losses = packed_example_losses(jax_model, packed)
   # unpacked labels keep their first label; it is never predicted (no position before it)
   row_nll, row_n = loss.per_example_nll(jax_logits(jax_model, model_inputs(unpacked)), unpacked["labels"])
   unpacked_losses = [float(a) / int(b) for a, b in zip(row_nll, row_n)]
   np.testing.assert_allclose(packed_losses, unpacked_losses, rtol=1e-5)
 
-  with torch.no_grad():
-    t_logits = torch_logits(torch_model, unpacked)
-  torch_losses = []
-  for r in range(len(feats)):
-    nll, n = torch_nll_sum64(t_logits[r:r + 1], unpacked["labels"][r:r + 1])
-    torch_losses.append(nll.item() / n)
-  np.testing.assert_allclose(packed_losses, torch_losses, rtol=1e-5)
+  np.testing.assert_allclose(packed_losses, torch_row_losses(torch_model, unpacked), rtol=1e-5)
