@@ -82,26 +82,32 @@ def rope_inv_freq(config: LlamaConfig, kind: str = "global") -> np.ndarray | Non
 
 def rope_tables(positions: jax.Array, inv_freq: np.ndarray | None, dtype, *,
                 rotary_dim: int | None = None) -> tuple[jax.Array, jax.Array]:
-  """cos, sin of shape (B, T, 1, R) (rotate-half layout: frequencies repeated twice). Without
-  frequencies (a layer without RoPE) cos = 1 and sin = 0, which `apply_rope` passes through
-  exactly (x·1 + r·0 = x)."""
+  """cos, sin of shape (B, T, 1, R/2): one column per frequency (transformers repeats them
+  twice, rotate-half layout; `apply_rope` uses each for both halves). Without frequencies (a
+  layer without RoPE) cos = 1 and sin = 0, which `apply_rope` passes through exactly
+  (x·1 + r·0 = x)."""
   if inv_freq is None:
-    shape = (*positions.shape, 1, rotary_dim)
+    shape = (*positions.shape, 1, rotary_dim // 2)
     return jnp.ones(shape, dtype), jnp.zeros(shape, dtype)
-  freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-  emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-  return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+  freqs = positions.astype(jnp.float32)[..., None, None] * jnp.asarray(inv_freq)
+  return jnp.cos(freqs).astype(dtype), jnp.sin(freqs).astype(dtype)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-  """x * cos + rotate_half(x) * sin on (B, T, heads, D), over the first R = cos.shape[-1]
-  dimensions (partial rotary); the rest pass through."""
-  rot = cos.shape[-1]
+  """x * cos + rotate_half(x) * sin on (B, T, heads, D), over the first R = 2 * cos.shape[-1]
+  dimensions (partial rotary); the rest pass through.
+
+  The rotated dims are viewed as two halves (x₁, x₂), rotate_half(x) = (-x₂, x₁): a reversal of
+  that axis times a sign, the same products as transformers' concatenation, but an index map
+  that XLA fuses (forward and backward) instead of slices, pads and concatenations.
+  """
+  half = cos.shape[-1]
+  rot = 2 * half
   if rot < x.shape[-1]:
     return jnp.concatenate([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], axis=-1)
-  half = x.shape[-1] // 2
-  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-  return x * cos + rotated * sin
+  pairs = x.reshape(*x.shape[:-1], 2, half)
+  rotated = jnp.flip(pairs, axis=-2) * jnp.asarray([[-1], [1]], x.dtype)
+  return (pairs * cos[..., None, :] + rotated * sin[..., None, :]).reshape(x.shape)
 
 
 def causal_window(query_idx: jax.Array, key_idx: jax.Array, sliding_window: int | None) -> jax.Array:
