@@ -165,7 +165,7 @@ def dataset_records(name: str, *, limit: int | None, seed: int = 0):
 
 
 # --------------------------------------------------------------------------- jaxsft's train step
-def train_config(*, lr: float = 1e-3, max_grad_norm: float = 1.0, chunked_loss: bool = False):
+def train_config(*, lr: float = 1e-3, max_grad_norm: float = 1.0):
   """The trainer's config for the benchmarks: LoRA r 8 / alpha 16 on q_proj, v_proj, no dropout;
   AdamW (b1 0.9, b2 0.999, eps 1e-8, no weight decay) at a constant `lr` after clipping the global
   gradient norm to `max_grad_norm`."""
@@ -175,7 +175,6 @@ def train_config(*, lr: float = 1e-3, max_grad_norm: float = 1.0, chunked_loss: 
   cfg.lora = config_lib.LoraConfig(r=8, alpha=16.0, dropout=0.0, target_modules=("q_proj", "v_proj"))
   cfg.optim = config_lib.OptimConfig(lr=lr, weight_decay=0.0, schedule="constant", warmup_steps=0,
                                      max_grad_norm=max_grad_norm)
-  cfg.model.chunked_loss = chunked_loss
   return cfg
 
 

@@ -166,23 +166,104 @@ def chunked_cross_entropy_sum(hidden: jax.Array, embedding: jax.Array, labels: j
   return nll_sum, n_valid
 
 
+def _chunk_nll_and_grads(h: jax.Array, embedding: jax.Array, y: jax.Array, *, grad_hidden: bool,
+                         grad_embedding: bool):
+  """Σ nll of one chunk of positions and its gradients, computed together.
+
+  With z = h Eᵀ (chunk, V) and p = softmax(z) in float32, for a trained position
+    ∂nll/∂z = p - onehot(y)        (0 where y = -100)
+    ∂nll/∂h = (∂nll/∂z) E,   ∂nll/∂E = (∂nll/∂z)ᵀ h
+  (the gradient in the compute dtype, like autodiff of `h @ E.T` would give).
+  """
+  logits = h @ embedding.T  # in the compute dtype, exactly like the model's LM head
+  z = logits.astype(jnp.float32)
+  valid = y != IGNORE_INDEX
+  safe_targets = jnp.where(valid, y, 0)
+  lse = jax.nn.logsumexp(z, axis=-1)
+  target_logit = jnp.take_along_axis(z, safe_targets[:, None], axis=-1)[:, 0]
+  nll = jnp.where(valid, lse - target_logit, 0.0).sum()
+  if not (grad_hidden or grad_embedding):
+    return nll, None, None
+  one_hot = jnp.arange(z.shape[-1])[None, :] == safe_targets[:, None]
+  dz = jnp.where(valid[:, None], jnp.exp(z - lse[:, None]) - one_hot, 0.0).astype(h.dtype)
+  dh = dz @ embedding if grad_hidden else None
+  de = dz.T @ h if grad_embedding else None
+  return nll, dh, de
+
+
+@jax.custom_vjp
+def _sorted_chunks_nll(hidden_chunks: jax.Array, embedding: jax.Array, target_chunks: jax.Array,
+                       n_valid: jax.Array) -> jax.Array:
+  """Σ nll over chunks (C, chunk, H) whose trained positions come first (n_valid of them)."""
+  return _sorted_chunks_fwd(hidden_chunks, embedding, target_chunks, n_valid, grads=(False, False))[0]
+
+
+def _sorted_chunks_fwd(hidden_chunks, embedding, target_chunks, n_valid, *, grads):
+  """(Σ nll, (∂/∂hidden_chunks or None, ∂/∂embedding or None)), skipping every chunk past the
+  trained positions under a `lax.cond`.
+
+  The gradients are computed beside the loss, so nothing of size (chunk, V) outlives its chunk
+  and the backward pass is one multiplication. A Python loop of conds (not a scan): a scan
+  would stack every chunk's outputs into one buffer.
+  """
+  grad_hidden, grad_embedding = grads
+  num_chunks, chunk_size, _ = hidden_chunks.shape
+  compute = functools.partial(_chunk_nll_and_grads, grad_hidden=grad_hidden, grad_embedding=grad_embedding)
+
+  def skipped(h, e, y):
+    zeros = lambda on, like: jnp.zeros_like(like) if on else None
+    return jnp.zeros((), jnp.float32), zeros(grad_hidden, h), zeros(grad_embedding, e)
+
+  total = jnp.zeros((), jnp.float32)
+  dh_chunks, de = [], None
+  for index in range(num_chunks):
+    nll, dh, de_chunk = jax.lax.cond(index * chunk_size < n_valid, compute, skipped,
+                                     hidden_chunks[index], embedding, target_chunks[index])
+    total = total + nll
+    dh_chunks.append(dh)
+    if grad_embedding:
+      de = de_chunk if de is None else de + de_chunk
+  dh_all = jnp.stack(dh_chunks) if grad_hidden else None
+  return total, (dh_all, de)
+
+
+def _sorted_chunks_vjp_fwd(hidden_chunks, embedding, target_chunks, n_valid):
+  # symbolic_zeros: `.perturbed` says which inputs are differentiated (an embedding that is
+  # frozen, as with LoRA, gets no (V, H) gradient computed at all)
+  grads = (hidden_chunks.perturbed, embedding.perturbed)
+  return _sorted_chunks_fwd(hidden_chunks.value, embedding.value, target_chunks.value, n_valid.value,
+                            grads=grads)
+
+
+def _sorted_chunks_vjp_bwd(residuals, g):
+  dh, de = residuals
+  scale = lambda x: None if x is None else (g * x.astype(jnp.float32)).astype(x.dtype)
+  return scale(dh), scale(de), None, None
+
+
+_sorted_chunks_nll.defvjp(_sorted_chunks_vjp_fwd, _sorted_chunks_vjp_bwd, symbolic_zeros=True)
+
+
 def trained_cross_entropy_sum(hidden: jax.Array, embedding: jax.Array, labels: jax.Array, *,
-                              chunk_size: int = 256, max_chunks: int = 16,
-                              remat: bool = False) -> tuple[jax.Array, jax.Array]:
+                              chunk_size: int = 256, max_chunks: int = 16) -> tuple[jax.Array, jax.Array]:
   """`cross_entropy_sum(hidden @ embedding.T, labels)` with the LM head only where a label is trained.
 
   A position whose (shifted) next label is -100 needs neither logits nor a loss. The
   N = B * (T - 1) predicting positions are reordered so the trained ones come first (a stable
   sort: their order is kept), then processed `chunk_size` at a time, each chunk under a
   `lax.cond`: a chunk holds a trained position iff its start is below n_valid, and every chunk
-  after that is skipped (no (chunk, H) x (H, V) matmul, forward or backward). Nothing is
-  dropped whatever the batch holds (the static chunk count covers all N positions), so
+  after that is skipped (no (chunk, H) x (H, V) matmul). Nothing is dropped whatever the batch
+  holds (the static chunk count covers all N positions), so
 
     nll_sum = Σ_{valid (b, t)} logsumexp(h[b, t] Eᵀ) - (h[b, t] Eᵀ)[y[b, t+1]]
 
-  is the same sum as the plain loss (up to float summation order), gradients included: the
-  gather's transpose scatters each trained position's gradient back to its place and leaves
-  exact zeros at the others. Works unchanged on packed rows (a segment's first label is -100).
+  is the same sum as the plain loss (up to float summation order), gradients included: each
+  chunk's gradients are computed with its loss (`_chunk_nll_and_grads`), so at most one
+  (chunk_size, V) block of logits is alive, forward or backward, at the cost of no extra matmul;
+  the gather's transpose scatters each trained position's gradient back to its place and leaves
+  exact zeros at the others. The embedding's (V, H) gradient is computed only when it is
+  differentiated (full fine-tuning). Works unchanged on packed rows (a segment's first label is
+  -100).
 
   Args:
     hidden: (B, T, H) final-normed hidden states, in the compute dtype.
@@ -191,8 +272,6 @@ def trained_cross_entropy_sum(hidden: jax.Array, embedding: jax.Array, labels: j
     chunk_size: positions per LM-head matmul; the skip granularity.
     max_chunks: at most this many chunks (larger ones for long batches): the program grows
       with the chunk count.
-    remat: recompute each chunk's logits in the backward pass (`jax.checkpoint`) instead of
-      saving them: at most one (chunk_size, V) block alive, at the price of a second matmul.
 
   Returns:
     `(nll_sum, n_valid)` as `cross_entropy_sum`.
@@ -210,22 +289,5 @@ def trained_cross_entropy_sum(hidden: jax.Array, embedding: jax.Array, labels: j
   sorted_targets = jnp.where(jnp.arange(n + pad) < n_valid, sorted_targets, IGNORE_INDEX)
   num_chunks = (n + pad) // chunk_size
   sorted_hidden = jnp.take(hidden, order, axis=0).reshape(num_chunks, chunk_size, hidden.shape[-1])
-  sorted_targets = sorted_targets.reshape(num_chunks, chunk_size)
-
-  def chunk_nll(h, y):
-    nll, _ = _token_nll(h @ embedding.T, y)  # logits in the compute dtype, log-softmax in float32
-    return nll.sum()
-
-  if remat:
-    chunk_nll = jax.checkpoint(chunk_nll)
-
-  def skipped(h, y):
-    return jnp.zeros((), jnp.float32)
-
-  # A Python loop (not a scan): each chunk's residuals are its own buffers, where a scan would
-  # copy every chunk's logits into one stacked residual array.
-  total = jnp.zeros((), jnp.float32)
-  for index in range(num_chunks):
-    total = total + jax.lax.cond(index * chunk_size < n_valid, chunk_nll, skipped,
-                                 sorted_hidden[index], sorted_targets[index])
-  return total, n_valid
+  nll_sum = _sorted_chunks_nll(sorted_hidden, embedding, sorted_targets.reshape(num_chunks, chunk_size), n_valid)
+  return nll_sum, n_valid

@@ -142,10 +142,9 @@ def make_step_functions(graphdef, cfg: config_lib.TrainConfig, tx: optax.Gradien
     model = nnx.merge(graphdef, lora, frozen)
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
     hidden = model.hidden_states(**inputs, dropout_rng=rng)
-    # The LM head only at trained positions, in chunks; `chunked_loss` recomputes each chunk's
-    # logits in the backward pass instead of keeping them (memory for compute).
+    # The LM head only at trained positions, in chunks, each chunk's gradient beside its loss.
     return loss_lib.trained_cross_entropy_sum(hidden, model.output_embedding(), batch["labels"],
-                                              chunk_size=loss_chunk_size(), remat=cfg.model.chunked_loss)
+                                              chunk_size=loss_chunk_size())
 
   def zeros(lora):
     return {"grads": jax.tree.map(jnp.zeros_like, lora), "nll": jnp.zeros((), jnp.float32),

@@ -167,12 +167,14 @@ def test_combine_sums_rejects_empty():
     loss.combine_sums([])
 
 
-@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("argnums", [(0, 1), (0,), (1,)])
 @pytest.mark.parametrize("chunk_size", [1, 4, 7, 1000])
 @pytest.mark.parametrize("p_ignore", [0.0, 0.6, 1.0])
-def test_trained_positions_loss_matches_plain_value_and_gradients(chunk_size, remat, p_ignore):
+def test_trained_positions_loss_matches_plain_value_and_gradients(chunk_size, argnums, p_ignore):
   """Only trained positions get logits; all-trained batches (more than any fixed capacity) and
-  nothing-trained batches included: the same sum, count and gradients as every position."""
+  nothing-trained batches included: the same sum, count and gradients as every position,
+  whichever of hidden states and embedding is differentiated (the gradients are computed in
+  the forward pass, each only when asked for)."""
   rng = np.random.default_rng(7)
   b, t, h, v = 3, 11, 8, 37
   hidden = jnp.asarray(rng.normal(size=(b, t, h)), jnp.float32)
@@ -184,19 +186,39 @@ def test_trained_positions_loss_matches_plain_value_and_gradients(chunk_size, re
     return loss.normalize_by_valid(*loss.cross_entropy_sum(hd @ e.T, labels))
 
   def trained(hd, e):
-    return loss.normalize_by_valid(*loss.trained_cross_entropy_sum(hd, e, labels, chunk_size=chunk_size, remat=remat))
+    return loss.normalize_by_valid(*loss.trained_cross_entropy_sum(hd, e, labels, chunk_size=chunk_size))
 
   with jax.default_matmul_precision("highest"):
-    v1, g1 = jax.jit(jax.value_and_grad(plain, argnums=(0, 1)))(hidden, emb)
-    v2, g2 = jax.jit(jax.value_and_grad(trained, argnums=(0, 1)))(hidden, emb)
+    v1, g1 = jax.jit(jax.value_and_grad(plain, argnums=argnums))(hidden, emb)
+    v2, g2 = jax.jit(jax.value_and_grad(trained, argnums=argnums))(hidden, emb)
   np.testing.assert_allclose(float(v2), float(v1), rtol=1e-6)
+  assert len(g2) == len(argnums)
   for a, c in zip(g1, g2):
     np.testing.assert_allclose(np.asarray(c), np.asarray(a), rtol=1e-5, atol=1e-7)
-  # untrained positions get exactly zero gradient
-  untrained = np.concatenate([labels[:, 1:] == -100, np.ones((b, 1), bool)], axis=1)
-  assert np.all(np.asarray(g2[0])[untrained] == 0)
+  if 0 in argnums:  # untrained positions get exactly zero gradient
+    untrained = np.concatenate([labels[:, 1:] == -100, np.ones((b, 1), bool)], axis=1)
+    assert np.all(np.asarray(g2[0])[untrained] == 0)
   assert int(loss.trained_cross_entropy_sum(hidden, emb, labels, chunk_size=chunk_size)[1]) == \
       int(loss.cross_entropy_sum(hidden @ emb.T, labels)[1])
+
+
+def test_trained_positions_loss_computes_no_embedding_gradient_for_a_frozen_embedding():
+  """With LoRA the LM head is frozen: differentiating the hidden states alone runs no (V, H)
+  gradient product, and no chunk's (chunk, V) logits are kept for the backward pass."""
+  rng = np.random.default_rng(3)
+  b, t, h, v = 2, 16, 8, 37
+  hidden = jnp.asarray(rng.normal(size=(b, t, h)), jnp.float32)
+  emb = jnp.asarray(rng.normal(size=(v, h)), jnp.float32)
+  labels = jnp.asarray(rng.integers(0, v, size=(b, t)), jnp.int32)
+
+  def program(argnums):
+    f = jax.jit(jax.grad(lambda hd, e: loss.trained_cross_entropy_sum(hd, e, labels, chunk_size=8)[0], argnums))
+    return f.lower(hidden, emb).compile().as_text()
+
+  produced = lambda text, shape: [line for line in text.splitlines()
+                                  if f"= f32[{shape}]" in line and " parameter(" not in line]
+  assert produced(program((0, 1)), f"{v},{h}")  # the check can see an embedding gradient
+  assert not produced(program(0), f"{v},{h}")
 
 
 def test_trained_positions_loss_skips_chunks_without_a_trained_label():
