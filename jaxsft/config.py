@@ -34,10 +34,8 @@ class ModelConfig:
   """A short name, a Hugging Face model directory, a hub id or a .gguf file."""
   dtype: str = "auto"
   """Compute and frozen-weight dtype: auto (bfloat16 on a GPU/TPU, float32 on a CPU), float32 or bfloat16; LoRA params and optimizer state stay float32."""
-  remat: bool = False
-  """Recompute each layer's activations in the backward pass (less memory, more compute)."""
-  chunked_loss: bool = False
-  """Recompute each loss chunk's logits in the backward pass instead of keeping them (less memory, more compute); the LM head always runs in chunks, only at trained positions."""
+  remat: str = "auto"
+  """What each decoder layer keeps for the backward pass, the rest recomputed: auto (every matmul output up to 256 tokens, the projections' outputs above), dots (every matmul output), dots_no_batch (projection outputs; attention recomputed), full (nothing: least memory, one more forward pass), none (all that JAX saves)."""
 
 
 @dataclasses.dataclass
@@ -178,6 +176,7 @@ ALIASES = {
 CHOICES = {
     "mode": ("lora", "full"),
     "model.dtype": ("auto", "float32", "bfloat16"),
+    "model.remat": ("auto", "none", "dots", "dots_no_batch", "full"),
     "data.batching": BATCHING,
     "data.train_on": TRAIN_ON,
     "data.on_error": ON_ERROR,

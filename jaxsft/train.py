@@ -393,7 +393,7 @@ def setup(cfg: config_lib.TrainConfig) -> tuple[Run, RunState]:
   log.info("loading data")
   train_records, val_records = load_data(cfg)
   log.info("loading model %s (%s)", cfg.model.name, cfg.model.dtype)
-  model, tokenizer = models.load_model(cfg.model.name, dtype=cfg.model.dtype, remat="full" if cfg.model.remat else None)
+  model, tokenizer = models.load_model(cfg.model.name, dtype=cfg.model.dtype, remat=cfg.model.remat)
   data = plan_data(cfg, train_records, val_records, tokenizer, mesh.batch_multiple_of)
   if cfg.mode == "lora":
     lora_lib.apply_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
