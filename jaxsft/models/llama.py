@@ -270,6 +270,37 @@ def auto_remat(length: int) -> str:
 # Modules. `stack` is the leading layer axis: () for a single layer, (L,) for the stacked decoder.
 
 
+@jax.custom_vjp
+def low_rank_product(x: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+  """(x @ a) @ b for x (..., in), a (in, r), b (r, out): the LoRA branch.
+
+  Its backward pass is autodiff's, with the weight gradients' products written so that the
+  transposed operand is the rank-r one:
+    ∂a = xᵀ (g bᵀ),   ∂b = ((g)ᵀ (x a))ᵀ,   ∂x = (g bᵀ) aᵀ
+  (autodiff writes ∂b = (x a)ᵀ g, for which XLA on a CPU transposes the (tokens, out) gradient
+  g, fused with whatever produced it, before an unblocked product).
+  """
+  return (x @ a) @ b
+
+
+def _low_rank_fwd(x, a, b):
+  xa = x @ a
+  return xa @ b, (x, a, b, xa)
+
+
+def _low_rank_bwd(residuals, g):
+  x, a, b, xa = residuals
+  tokens = lambda t: t.reshape(-1, t.shape[-1])
+  g_xa = g @ b.T
+  contract_tokens = (((0,), (0,)), ((), ()))
+  grad_a = jax.lax.dot_general(tokens(x), tokens(g_xa), contract_tokens)  # (in, r)
+  grad_b = jax.lax.dot_general(tokens(g), tokens(xa), contract_tokens).T  # (out, r)ᵀ
+  return g_xa @ a.T, grad_a.astype(a.dtype), grad_b.astype(b.dtype)
+
+
+low_rank_product.defvjp(_low_rank_fwd, _low_rank_bwd)
+
+
 class Linear(nnx.Module):
   """y = x @ kernel (+ bias) (+ scale * dropout(x) @ lora_a @ lora_b).
 
@@ -301,7 +332,7 @@ class Linear(nnx.Module):
         lora_x = jnp.where(jax.random.bernoulli(key, keep, x.shape), x / keep, 0).astype(x.dtype)
       a = self.lora_a[...].astype(x.dtype)
       b = self.lora_b[...].astype(x.dtype)
-      y = y + ((lora_x @ a) @ b) * jnp.asarray(self.lora_scale, x.dtype)
+      y = y + low_rank_product(lora_x, a, b) * jnp.asarray(self.lora_scale, x.dtype)
     return y
 
 
