@@ -107,7 +107,7 @@ _CACHE_FORMAT = "2"
 
 
 def load_model(name_or_path: str, *, dtype: str = "float32", attention: str = "xla",
-               remat: str | Callable | None = "auto"):
+               remat: str | Callable | None = llama.DEFAULT_REMAT):
   """`(model, tokenizer)` for a short name, HF directory, hub id or `.gguf` file.
 
   Args:
@@ -121,7 +121,7 @@ def load_model(name_or_path: str, *, dtype: str = "float32", attention: str = "x
 
 
 def load_causal_lm(source: ModelSource | str, *, dtype: str = "float32", attention: str = "xla",
-                   remat: str | Callable | None = "auto") -> llama.CausalLM:
+                   remat: str | Callable | None = llama.DEFAULT_REMAT) -> llama.CausalLM:
   """The model alone (no tokenizer): `load_model` without the tokenizer files."""
   if isinstance(source, str):
     source = resolve_model(source)
