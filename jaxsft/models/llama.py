@@ -519,9 +519,10 @@ class CausalLM(nnx.Module):
     config: the architecture.
     dtype: parameter and compute dtype (float32, bfloat16, or "auto": see `resolve_dtype`).
       LoRA params stay float32.
-    attention: "xla" (`jax.nn.dot_product_attention`; causal self-attention skips the key
-      blocks above the diagonal, see `self_attention`, and runs cuDNN on a GPU in 16-bit),
-      "dense" (the same API, every pair computed) or "einsum" (a plain reference).
+    attention: "xla" (causal self-attention by `self_attention`: head-major query blocks that
+      skip the keys above the diagonal, cuDNN on a GPU in 16-bit; with a KV cache
+      `jax.nn.dot_product_attention`), "dense" (`jax.nn.dot_product_attention`, every pair
+      computed) or "einsum" (a plain reference).
     remat: "none" or None (keep everything JAX saves), a name in `REMAT_POLICIES` (default
       `DEFAULT_REMAT`), or a `jax.checkpoint` policy callable: recompute
       each layer in the backward pass (less activation memory for long sequences).
