@@ -14,6 +14,8 @@ import os
 import pathlib
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from typing import Any, Sequence
 
@@ -84,6 +86,26 @@ def _jsonable(x):
   if dataclasses.is_dataclass(x):
     return dataclasses.asdict(x)
   return str(x)
+
+
+def alternate_workers(module: str, frameworks: Sequence[str], worker_args: Sequence[str], *, reps: int,
+                      threads: int) -> dict[str, list[dict]]:
+  """Run `python -m module --worker F *worker_args` for each framework F, alternated `reps` times,
+  each in a fresh process; every run's JSON result (its stdout's last line) gets the 1-minute
+  load average at its start. The "jax" worker is pinned to `threads` cores with `taskset` when
+  the machine has more (PyTorch is given its thread count by the worker)."""
+  cores = ",".join(str(c) for c in range(min(threads, os.cpu_count() or 1)))
+  runs: dict[str, list[dict]] = {f: [] for f in frameworks}
+  for _ in range(reps):
+    for framework in frameworks:
+      load = os.getloadavg()[0]
+      cmd = [sys.executable, "-m", module, "--worker", framework, *worker_args]
+      if framework == "jax" and threads < (os.cpu_count() or 1):
+        cmd = ["taskset", "-c", cores, *cmd]
+      out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
+      runs[framework].append({**json.loads(out.stdout.strip().splitlines()[-1]), "load_at_start": round(load, 2)})
+      print(framework, runs[framework][-1], flush=True)
+  return runs
 
 
 def median(xs: Sequence[float]) -> float | None:

@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 
 from benchmarks import common
@@ -71,18 +68,9 @@ def main(argv=None):
     print(json.dumps(worker(args.worker, args.threads, args.calls)))
     return
 
-  cores = ",".join(str(c) for c in range(min(args.threads, os.cpu_count() or 1)))
-  runs = {"jax": [], "torch": []}
-  for _ in range(args.reps):
-    for framework in runs:
-      load = os.getloadavg()[0]
-      cmd = [sys.executable, "-m", "benchmarks.matmul", "--worker", framework, "--threads", str(args.threads),
-             "--calls", str(args.calls)]
-      if framework == "jax" and args.threads < (os.cpu_count() or 1):
-        cmd = ["taskset", "-c", cores, *cmd]
-      out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=common.ROOT)
-      runs[framework].append({**json.loads(out.stdout.strip().splitlines()[-1]), "load_at_start": round(load, 2)})
-      print(framework, runs[framework][-1], flush=True)
+  runs = common.alternate_workers("benchmarks.matmul", ("jax", "torch"),
+                                  ["--threads", str(args.threads), "--calls", str(args.calls)],
+                                  reps=args.reps, threads=args.threads)
 
   info = common.machine_info()
   rows = []
