@@ -35,7 +35,7 @@ class ModelConfig:
   dtype: str = "auto"
   """Compute and frozen-weight dtype: auto (bfloat16 on a GPU/TPU, float32 on a CPU), float32 or bfloat16; LoRA params and optimizer state stay float32."""
   remat: str = "dots_no_batch"
-  """What each decoder layer keeps for the backward pass, the rest recomputed: dots_no_batch (the projections' outputs; attention, norms and activations recomputed: the fastest measured), dots (every matmul output, attention scores too), full (nothing: least memory, one more forward pass), none (all that JAX saves)."""
+  """What each decoder layer keeps for the backward pass, the rest recomputed: dots_no_batch (the projections' and the attention's outputs; attention scores, norms and activations recomputed: the fastest measured), dots (every matmul output, attention scores too), full (nothing: least memory, one more forward pass), none (all that JAX saves)."""
 
 
 @dataclasses.dataclass
