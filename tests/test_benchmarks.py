@@ -162,3 +162,12 @@ ENTRY %main (a: (s32[], f32[2])) -> (s32[], f32[2]) {
   assert counts["module_ops"] == 13 and counts["computations"] == 4
   (loop,) = counts["while_loops"]
   assert loop["body"] == "loop_body" and loop["ops"] == 7 and loop["fusions"] == 1 and loop["top"]["exponential"] == 1
+
+
+def test_attention_benchmark_times_both_frameworks_on_one_shape():
+  pytest.importorskip("torch")
+  from benchmarks import attention
+
+  for framework in ("jax", "torch"):
+    timings = attention.worker(framework, [(1, 64)], threads=1, calls=1)["1x64"]
+    assert timings["forward_ms"] > 0 and timings["forward_backward_ms"] > 0, (framework, timings)
