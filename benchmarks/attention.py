@@ -13,9 +13,7 @@ q, k and v. Each framework runs in its own fresh process, alternated `--reps` ti
 
 from __future__ import annotations
 
-import argparse
 import json
-import time
 
 from benchmarks import common
 
@@ -24,15 +22,6 @@ HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 
 def worker(framework: str, shapes: list[tuple[int, int]], threads: int, calls: int) -> dict:
   import numpy as np
-
-  def median_seconds(f):
-    f(), f()
-    times = []
-    for _ in range(calls):
-      start = time.perf_counter()
-      f()
-      times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
   results = {}
   for batch, length in shapes:
@@ -76,19 +65,14 @@ def worker(framework: str, shapes: list[tuple[int, int]], threads: int, calls: i
 
       def forward_backward():
         jax.block_until_ready(grad(jq, jk, jv))
-    results[f"{batch}x{length}"] = {"forward_ms": 1e3 * median_seconds(forward),
-                                    "forward_backward_ms": 1e3 * median_seconds(forward_backward)}
+    results[f"{batch}x{length}"] = {"forward_ms": 1e3 * common.median_call_seconds(forward, calls),
+                                    "forward_backward_ms": 1e3 * common.median_call_seconds(forward_backward, calls)}
   return results
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = common.kernel_benchmark_parser(__doc__, calls=20)
   parser.add_argument("--shapes", nargs="+", default=["8x128", "4x512"], help="BATCHxLENGTH")
-  parser.add_argument("--threads", type=int, default=2)
-  parser.add_argument("--calls", type=int, default=20)
-  parser.add_argument("--reps", type=int, default=2)
-  parser.add_argument("--suffix", default="", help="appended to the result files' name")
-  parser.add_argument("--worker", choices=["jax", "torch"], help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
   if args.worker:

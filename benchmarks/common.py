@@ -8,6 +8,7 @@ one micro-batch, exactly what `python -m jaxsft.train` runs per step with `grad_
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -88,6 +89,17 @@ def _jsonable(x):
   return str(x)
 
 
+def kernel_benchmark_parser(doc: str, *, calls: int) -> argparse.ArgumentParser:
+  """The arguments of a jax-against-torch kernel benchmark run by `alternate_workers`."""
+  parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--threads", type=int, default=2)
+  parser.add_argument("--calls", type=int, default=calls)
+  parser.add_argument("--reps", type=int, default=2)
+  parser.add_argument("--suffix", default="", help="appended to the result files' name")
+  parser.add_argument("--worker", choices=["jax", "torch"], help=argparse.SUPPRESS)
+  return parser
+
+
 def alternate_workers(module: str, frameworks: Sequence[str], worker_args: Sequence[str], *, reps: int,
                       threads: int) -> dict[str, list[dict]]:
   """Run `python -m module --worker F *worker_args` for each framework F, alternated `reps` times,
@@ -106,6 +118,17 @@ def alternate_workers(module: str, frameworks: Sequence[str], worker_args: Seque
       runs[framework].append({**json.loads(out.stdout.strip().splitlines()[-1]), "load_at_start": round(load, 2)})
       print(framework, runs[framework][-1], flush=True)
   return runs
+
+
+def median_call_seconds(f, calls: int) -> float:
+  """Median wall time of `calls` calls of f (which must wait for its result), after two warm-up calls."""
+  f(), f()
+  times = []
+  for _ in range(calls):
+    start = time.perf_counter()
+    f()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
 
 
 def median(xs: Sequence[float]) -> float | None:

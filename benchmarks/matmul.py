@@ -11,9 +11,7 @@ benchmarks/results/matmul{suffix}.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import json
-import time
 
 from benchmarks import common
 
@@ -28,41 +26,27 @@ def worker(framework: str, threads: int, calls: int) -> dict:
   w = rng.standard_normal((K, N), np.float32)
   dy = rng.standard_normal((M, N), np.float32)
 
-  def median_seconds(f):
-    f(), f()
-    times = []
-    for _ in range(calls):
-      start = time.perf_counter()
-      f()
-      times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
   if framework == "torch":
     import torch
 
     torch.set_num_threads(threads)
     tx, tw, tdy = torch.from_numpy(x), torch.from_numpy(np.ascontiguousarray(w.T)), torch.from_numpy(dy)
-    forward = median_seconds(lambda: torch.nn.functional.linear(tx, tw))
-    backward = median_seconds(lambda: tdy @ tw)
+    forward = common.median_call_seconds(lambda: torch.nn.functional.linear(tx, tw), calls)
+    backward = common.median_call_seconds(lambda: tdy @ tw, calls)
   else:
     import jax
     import jax.numpy as jnp
 
     jx, jw, jdy = jnp.asarray(x), jnp.asarray(w), jnp.asarray(dy)
     fwd, bwd = jax.jit(lambda a, b: a @ b), jax.jit(lambda d, b: d @ b.T)
-    forward = median_seconds(lambda: fwd(jx, jw).block_until_ready())
-    backward = median_seconds(lambda: bwd(jdy, jw).block_until_ready())
+    forward = common.median_call_seconds(lambda: fwd(jx, jw).block_until_ready(), calls)
+    backward = common.median_call_seconds(lambda: bwd(jdy, jw).block_until_ready(), calls)
   gflop = 2 * M * K * N / 1e9
   return {"forward_gflops": gflop / forward, "backward_gflops": gflop / backward}
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--threads", type=int, default=2)
-  parser.add_argument("--calls", type=int, default=30)
-  parser.add_argument("--reps", type=int, default=2)
-  parser.add_argument("--suffix", default="", help="appended to the result files' name")
-  parser.add_argument("--worker", choices=["jax", "torch"], help=argparse.SUPPRESS)
+  parser = common.kernel_benchmark_parser(__doc__, calls=30)
   args = parser.parse_args(argv)
   if args.worker:
     print(json.dumps(worker(args.worker, args.threads, args.calls)))
