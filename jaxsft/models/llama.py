@@ -32,9 +32,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxsft.models.families import (SUPPORTED_MODEL_TYPES, LlamaConfig, from_hf_config,  # noqa: F401
                                    to_hf_config)
@@ -255,10 +255,9 @@ def _block_attention_fwd(qh, kh, vh, mask, scale, blocks):
     outs.append(out.reshape(b, kv_heads, groups, stop - start, d))
     maxes.append(row_max)
     inv_sums.append(inv_sum)
-  cat = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=3)  # noqa: E731
   # Named so that a layer's remat policy can keep them (`ATTENTION_RESIDUALS`): the backward
   # pass then needs no second forward pass through the attention.
-  out, row_max, inv_sum = (checkpoint_name(cat(xs), name)
+  out, row_max, inv_sum = (checkpoint_name(jnp.concatenate(xs, axis=3), name)
                            for xs, name in zip((outs, maxes, inv_sums), ATTENTION_RESIDUALS))
   return out, (qh, kh, vh, mask, out, row_max, inv_sum)
 
@@ -292,7 +291,7 @@ def _block_attention_bwd(scale, blocks, residuals, d_out):
     dk_t = dk_t.at[:, :, :, first_key:stop].add(jnp.einsum(
         "bkdm,bkms->bkds", _block_rows(qh, start, stop).swapaxes(2, 3), d_scores,
         preferred_element_type=jnp.float32))
-  dq = dq_blocks[0] if len(dq_blocks) == 1 else jnp.concatenate(dq_blocks, axis=3)
+  dq = jnp.concatenate(dq_blocks, axis=3)
   return (dq.astype(qh.dtype), dk_t.swapaxes(2, 3).astype(kh.dtype), dv_t.swapaxes(2, 3).astype(vh.dtype), None)
 
 
