@@ -42,13 +42,27 @@ def cpu_name() -> str:
   return platform.processor() or platform.machine()
 
 
+# Environment variables that change step times (compiler flags, the allocator, thread counts): a
+# figure measured under any of them says so in its machine line. GLIBC_TUNABLES, for one, decides
+# whether a step's large buffers are mapped and page-faulted afresh every step.
+TIMING_ENVIRONMENT = ("XLA_FLAGS", "GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_ARENA_MAX", "OMP_NUM_THREADS",
+                      "MKL_NUM_THREADS")
+
+
+def timing_environment() -> dict[str, str]:
+  """The `TIMING_ENVIRONMENT` variables set in this process (worker processes inherit them)."""
+  return {name: os.environ[name] for name in TIMING_ENVIRONMENT if os.environ.get(name)}
+
+
 def machine_info() -> dict[str, Any]:
-  """Where the figures came from: CPU, cores, load, JAX backend and device, library versions."""
+  """Where the figures came from: CPU, cores, load, JAX backend and device, library versions, and
+  the environment that changes timing."""
   import jax
 
   info = {"cpu": cpu_name(), "cpus": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()],
           "python": platform.python_version(), "jax": jax.__version__, "backend": jax.default_backend(),
-          "device": str(jax.devices()[0].device_kind), "device_count": jax.device_count()}
+          "device": str(jax.devices()[0].device_kind), "device_count": jax.device_count(),
+          "environment": timing_environment()}
   try:
     import flax
 
@@ -60,8 +74,9 @@ def machine_info() -> dict[str, Any]:
 
 def machine_line(info: dict) -> str:
   device = "" if info["backend"] == "cpu" else f", {info['device_count']}× {info['device']} ({info['backend']})"
+  environment = "".join(f"; {name}={value}" for name, value in info.get("environment", {}).items())
   return (f"{info['cpu']}, {info['cpus']} cores{device}; JAX {info['jax']}; 1/5/15-minute load average at start "
-          f"{'/'.join(f'{x:.1f}' for x in info['load_average'])}")
+          f"{'/'.join(f'{x:.1f}' for x in info['load_average'])}{environment}")
 
 
 def peak_rss_mib() -> float:

@@ -171,3 +171,14 @@ def test_attention_benchmark_times_both_frameworks_on_one_shape():
   for framework in ("jax", "torch"):
     timings = attention.worker(framework, [(1, 64)], threads=1, calls=1)["1x64"]
     assert timings["forward_ms"] > 0 and timings["forward_backward_ms"] > 0, (framework, timings)
+
+
+def test_machine_line_names_the_environment_that_changes_timing(monkeypatch):
+  for name in common.TIMING_ENVIRONMENT:
+    monkeypatch.delenv(name, raising=False)
+  assert common.machine_info()["environment"] == {}
+  assert "GLIBC_TUNABLES" not in common.machine_line(common.machine_info())
+  monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_max=0")
+  info = common.machine_info()
+  assert info["environment"] == {"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0"}
+  assert common.machine_line(info).endswith("; GLIBC_TUNABLES=glibc.malloc.mmap_max=0")
