@@ -339,7 +339,7 @@ REMAT_POLICIES: dict[str, Callable | None] = {
     "full": None,  # save nothing: recompute the whole layer in the backward pass
     "dots": _policies.save_from_both_policies(_policies.dots_saveable, _keep_attention),
     "dots_no_batch": _policies.save_from_both_policies(_policies.dots_with_no_batch_dims_saveable, _keep_attention),
-    "nothing": jax.checkpoint_policies.nothing_saveable,
+    "nothing": _policies.nothing_saveable,
 }
 REMAT_CHOICES = ("none", *REMAT_POLICIES)
 DEFAULT_REMAT = "dots_no_batch"
