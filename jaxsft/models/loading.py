@@ -27,12 +27,13 @@ dequantization and a crash never leaves a half-written cache behind.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -199,6 +200,27 @@ def _f32(value) -> float:
   return float(str(np.float32(value)))
 
 
+@dataclasses.dataclass(frozen=True)
+class _GgufMetadata:
+  """The `{arch}.*` keys of one GGUF file; every error names the file and the key."""
+
+  reader: Any
+  arch: str
+  path: str
+
+  def get(self, key: str, default=None):
+    return _field(self.reader, f"{self.arch}.{key}", default)
+
+  def need(self, key: str):
+    value = self.get(key)
+    if value is None:
+      raise ValueError(f"{self.path}: GGUF metadata field {self.arch}.{key} is missing")
+    return value
+
+  def refuse(self, key: str, why: str) -> NoReturn:
+    raise ValueError(f"{self.path}: {self.arch}.{key} = {self.get(key)!r}: {why}")
+
+
 def gguf_config(reader, path: str) -> dict[str, Any]:
   """A transformers-style `config.json` dict from GGUF metadata, read as llama.cpp reads it.
 
@@ -217,101 +239,109 @@ def gguf_config(reader, path: str) -> dict[str, Any]:
   if names & {"rope_factors_long.weight", "rope_factors_short.weight"}:
     raise ValueError(f"{path}: GGUF with rope_factors_long/short (Phi-3 LongRoPE) is not supported; jaxsft "
                      f"has no LongRoPE")
-  model_type = _GGUF_ARCHS[arch]
-
-  def get(key, default=None):
-    return _field(reader, f"{arch}.{key}", default)
-
-  def need(key):
-    value = get(key)
-    if value is None:
-      raise ValueError(f"{path}: GGUF metadata field {arch}.{key} is missing")
-    return value
-
-  def refuse(key, why):
-    raise ValueError(f"{path}: {arch}.{key} = {get(key)!r}: {why}")
-
-  num_heads = int(need("attention.head_count"))
-  hidden = int(need("embedding_length"))
-  num_layers = int(need("block_count"))
-  head_dim = int(get("attention.key_length", hidden // num_heads))
-  if int(get("attention.value_length", head_dim)) != head_dim:
-    refuse("attention.value_length", f"jaxsft needs value heads as wide as key heads ({head_dim})")
-  vocab = get("vocab_size")
-  if vocab is None:
-    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-  for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-    if get(key) not in (None, 0.0):
-      refuse(key, "jaxsft has no logit softcapping")
-  if arch not in ("llama", "qwen2") and any(n.endswith(".bias") for n in names):
-    raise ValueError(f"{path}: GGUF {arch} with bias tensors is not supported (jaxsft's {model_type} has none)")
-  config = {
-      "model_type": model_type,
-      "vocab_size": int(vocab), "hidden_size": hidden,
-      "intermediate_size": int(need("feed_forward_length")),
-      "num_hidden_layers": num_layers,
-      "num_attention_heads": num_heads,
-      "num_key_value_heads": int(get("attention.head_count_kv", num_heads)),
-      "head_dim": head_dim,
-      # GGUF stores floats as float32 (9.9999997e-06): keep the shortest decimal that rounds to it
-      "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
-      "max_position_embeddings": int(get("context_length", 2048)),
-      "tie_word_embeddings": "output.weight" not in names,
-      "attention_bias": "blk.0.attn_q.bias" in names and arch == "llama",
-      "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-      "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
-      "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
-  }
-
-  # RoPE: llama.cpp reads the base and a linear factor (rope.scaling.factor, or the older
-  # rope.scale_linear) for every architecture; the factor divides the frequencies like HF "linear".
-  theta = _f32(get("rope.freq_base", 10000.0))
-  full_rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
-  scaling = get("rope.scaling.type")
-  if scaling not in (None, "none", "linear"):
-    refuse("rope.scaling.type", "jaxsft reads linear RoPE scaling only")
-  factor = get("rope.scaling.factor", get("rope.scale_linear"))
-  if factor not in (None, 0.0, 1.0):
-    full_rope.update(rope_type="linear", factor=_f32(factor))
-  rotary = int(get("rope.dimension_count", head_dim))
-  if arch != "phi3" and rotary != head_dim:
-    refuse("rope.dimension_count", f"partial rotary (head_dim {head_dim}) is Phi-3's only")
-  window = get("attention.sliding_window")
+  meta = _GgufMetadata(reader, arch, path)
+  config = _gguf_model_fields(meta, names)
+  full_rope, rotary = _gguf_rope(meta, config["head_dim"])
+  window = meta.get("attention.sliding_window")
   window = int(window) if window else None  # 0: none
-
-  if model_type == "gemma3_text":
-    if window is None:  # llama.cpp requires the key; a build without it has no sliding layers at all
-      refuse("attention.sliding_window", "llama.cpp builds disagree on a Gemma 3 file without a window")
-    sliding = gemma3_sliding_layers(num_layers)
-    pattern = get("attention.sliding_window_pattern")
-    if pattern is not None:
-      given = gemma3_sliding_layers(num_layers, int(pattern)) if np.ndim(pattern) == 0 else tuple(map(bool, pattern))
-      if given != sliding:
-        refuse("attention.sliding_window_pattern", f"llama.cpp's gemma3 fixes the pattern at period "
-                                                   f"{GEMMA3_SLIDING_PERIOD}; builds that read this key disagree")
-    local_theta = _f32(get("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE))
-    if local_theta != GEMMA3_LOCAL_ROPE_BASE:
-      refuse("rope.freq_base_swa", f"llama.cpp's gemma3 fixes the sliding layers' RoPE base at "
-                                   f"{GEMMA3_LOCAL_ROPE_BASE:g}; builds that read this key disagree")
-    config.update(
-        hidden_activation="gelu_pytorch_tanh", sliding_window=window,
-        layer_types=[SLIDING if s else FULL for s in sliding],
-        query_pre_attn_scalar=gemma3_query_pre_attn_scalar(num_layers, hidden, num_heads, head_dim),
-        rope_parameters={FULL: full_rope, SLIDING: {"rope_type": "default", "rope_theta": local_theta}})
-  else:
-    config.update(rope_parameters=full_rope, rope_theta=theta)
-  if model_type == "phi3":
+  if config["model_type"] == "gemma3_text":
+    config.update(_gemma3_fields(meta, config, full_rope, window))
+    return config
+  config.update(rope_parameters=full_rope, rope_theta=full_rope["rope_theta"])
+  if config["model_type"] == "phi3":
+    head_dim = config["head_dim"]
     partial = rotary / head_dim
     if not 0 < rotary <= head_dim or int(head_dim * partial) != rotary:
-      refuse("rope.dimension_count", f"not a partial rotary factor of head_dim {head_dim}")
-    config["rope_parameters"]["partial_rotary_factor"] = partial
+      meta.refuse("rope.dimension_count", f"not a partial rotary factor of head_dim {head_dim}")
+    full_rope["partial_rotary_factor"] = partial
     config["sliding_window"] = window  # llama.cpp currently runs Phi-3 without it, with a warning
-  elif model_type == "olmo2" and window is not None:
-    refuse("attention.sliding_window", "an olmo2 file with a sliding window is OLMo 3 (every 4th layer "
-                                       "full), which jaxsft does not build")
-  elif model_type == "smollm3":
-    config["no_rope_layers"] = [int(r) for r in smollm3_rope_layers(num_layers)]
+  elif config["model_type"] == "olmo2" and window is not None:
+    meta.refuse("attention.sliding_window", "an olmo2 file with a sliding window is OLMo 3 (every 4th "
+                                            "layer full), which jaxsft does not build")
+  elif config["model_type"] == "smollm3":
+    config["no_rope_layers"] = [int(r) for r in smollm3_rope_layers(config["num_hidden_layers"])]
   return config
+
+
+def _gguf_model_fields(meta: _GgufMetadata, names: set[str]) -> dict[str, Any]:
+  """The sizes, norm epsilon, tying and special token ids every family has."""
+  arch, path = meta.arch, meta.path
+  num_heads = int(meta.need("attention.head_count"))
+  hidden = int(meta.need("embedding_length"))
+  num_layers = int(meta.need("block_count"))
+  head_dim = int(meta.get("attention.key_length", hidden // num_heads))
+  if int(meta.get("attention.value_length", head_dim)) != head_dim:
+    meta.refuse("attention.value_length", f"jaxsft needs value heads as wide as key heads ({head_dim})")
+  vocab = meta.get("vocab_size")
+  if vocab is None:
+    vocab = len(meta.reader.fields["tokenizer.ggml.tokens"].data)
+  for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+    if meta.get(key) not in (None, 0.0):
+      meta.refuse(key, "jaxsft has no logit softcapping")
+  model_type = _GGUF_ARCHS[arch]
+  if arch not in ("llama", "qwen2") and any(n.endswith(".bias") for n in names):
+    raise ValueError(f"{path}: GGUF {arch} with bias tensors is not supported (jaxsft's {model_type} has none)")
+  return {
+      "model_type": model_type,
+      "vocab_size": int(vocab), "hidden_size": hidden,
+      "intermediate_size": int(meta.need("feed_forward_length")),
+      "num_hidden_layers": num_layers,
+      "num_attention_heads": num_heads,
+      "num_key_value_heads": int(meta.get("attention.head_count_kv", num_heads)),
+      "head_dim": head_dim,
+      # GGUF stores floats as float32 (9.9999997e-06): keep the shortest decimal that rounds to it
+      "rms_norm_eps": _f32(meta.need("attention.layer_norm_rms_epsilon")),
+      "max_position_embeddings": int(meta.get("context_length", 2048)),
+      "tie_word_embeddings": "output.weight" not in names,
+      "attention_bias": "blk.0.attn_q.bias" in names and arch == "llama",
+      "bos_token_id": _field(meta.reader, "tokenizer.ggml.bos_token_id"),
+      "eos_token_id": _field(meta.reader, "tokenizer.ggml.eos_token_id"),
+      "pad_token_id": _field(meta.reader, "tokenizer.ggml.padding_token_id"),
+  }
+
+
+def _gguf_rope(meta: _GgufMetadata, head_dim: int) -> tuple[dict[str, Any], int]:
+  """(HF rope parameters of the full-attention layers, rotary dimensions per head).
+
+  llama.cpp reads the base and a linear factor (rope.scaling.factor, or the older
+  rope.scale_linear) for every architecture; the factor divides the frequencies like HF "linear".
+  """
+  full_rope: dict[str, Any] = {"rope_type": "default", "rope_theta": _f32(meta.get("rope.freq_base", 10000.0))}
+  if meta.get("rope.scaling.type") not in (None, "none", "linear"):
+    meta.refuse("rope.scaling.type", "jaxsft reads linear RoPE scaling only")
+  factor = meta.get("rope.scaling.factor", meta.get("rope.scale_linear"))
+  if factor not in (None, 0.0, 1.0):
+    full_rope.update(rope_type="linear", factor=_f32(factor))
+  rotary = int(meta.get("rope.dimension_count", head_dim))
+  if meta.arch != "phi3" and rotary != head_dim:
+    meta.refuse("rope.dimension_count", f"partial rotary (head_dim {head_dim}) is Phi-3's only")
+  return full_rope, rotary
+
+
+def _gemma3_fields(meta: _GgufMetadata, config: dict[str, Any], full_rope: dict[str, Any],
+                   window: int | None) -> dict[str, Any]:
+  """Gemma 3's activation, sliding layers and their RoPE base and attention scale, as llama.cpp
+  fixes them; a file whose keys say otherwise is refused (llama.cpp's builds disagree on it)."""
+  if window is None:  # llama.cpp requires the key; a build without it has no sliding layers at all
+    meta.refuse("attention.sliding_window", "llama.cpp builds disagree on a Gemma 3 file without a window")
+  num_layers = config["num_hidden_layers"]
+  sliding = gemma3_sliding_layers(num_layers)
+  pattern = meta.get("attention.sliding_window_pattern")
+  if pattern is not None:
+    given = gemma3_sliding_layers(num_layers, int(pattern)) if np.ndim(pattern) == 0 else tuple(map(bool, pattern))
+    if given != sliding:
+      meta.refuse("attention.sliding_window_pattern", f"llama.cpp's gemma3 fixes the pattern at period "
+                                                      f"{GEMMA3_SLIDING_PERIOD}; builds that read this key disagree")
+  local_theta = _f32(meta.get("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE))
+  if local_theta != GEMMA3_LOCAL_ROPE_BASE:
+    meta.refuse("rope.freq_base_swa", f"llama.cpp's gemma3 fixes the sliding layers' RoPE base at "
+                                      f"{GEMMA3_LOCAL_ROPE_BASE:g}; builds that read this key disagree")
+  return dict(
+      hidden_activation="gelu_pytorch_tanh", sliding_window=window,
+      layer_types=[SLIDING if s else FULL for s in sliding],
+      query_pre_attn_scalar=gemma3_query_pre_attn_scalar(num_layers, config["hidden_size"],
+                                                         config["num_attention_heads"], config["head_dim"]),
+      rope_parameters={FULL: full_rope, SLIDING: {"rope_type": "default", "rope_theta": local_theta}})
 
 
 def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
