@@ -308,24 +308,14 @@ def diagnose(train_steps: Sequence[float], train_loss: Sequence[float], *,
     evidence["val_rel_drop"] = val_drop
   significant = drop >= 2.5 * se or z <= -TREND_Z or (val_drop is not None and val_drop >= FLAT_REL_DROP)
   if max(rel_drop, val_drop or 0.0) < FLAT_REL_DROP or not significant:
-    rho = _lag1_autocorrelation(loss)
-    evidence["lag1_autocorrelation"] = rho
-    limit = max(SWING_AUTOCORR, 2.5 / math.sqrt(n))
-    if abs(rho) >= limit or noise_rel >= WILD_NOISE_REL:
-      kind = ("alternating up and down from step to step" if rho <= -limit else
-              "persistent swings" if rho >= limit else f"step-to-step noise of {noise_rel:.0%}")
-      return _make("oscillating", f"no trend ({rel_drop:+.1%} change) but {kind} "
-                   f"(lag-1 autocorrelation {rho:+.2f}, noise {noise_rel:.0%} of the level)", evidence)
-    return _make("flat", f"the loss barely moved: {first:.4g} -> {last:.4g} ({rel_drop:+.1%}); "
-                 "what varies looks like batch-to-batch noise", evidence)
+    return _without_trend(loss, first, last, noise_rel, evidence)
 
+  # Leveled off: the last quarter fell less than PLATEAU_FRACTION of the whole drop, unless the
+  # (far less noisy) validation loss fell in its last interval at least half its average interval.
   q3 = float(s[min(int(0.75 * n), n - 1)])
   plateaued = (q3 - last) < PLATEAU_FRACTION * drop
-  if val_drop is not None and val_steps is not None:
-    # Validation is far less noisy: still falling if its last interval fell at least half
-    # as much as its average interval.
-    vl = np.asarray(val_loss, dtype=np.float64)[np.argsort(np.asarray(val_steps), kind="stable")]
-    vl = vl[np.isfinite(vl)]
+  if val_drop is not None:
+    _, vl = _finite_validation(val_steps, val_loss)
     mean_interval = (vl[0] - vl[-1]) / (vl.size - 1)
     plateaued = plateaued and not (mean_interval > 0 and vl[-2] - vl[-1] >= 0.5 * mean_interval)
   evidence["plateaued"] = plateaued
@@ -334,6 +324,24 @@ def diagnose(train_steps: Sequence[float], train_loss: Sequence[float], *,
     return _make("healthy", summary + " and leveled off", evidence)
   return _make("healthy", summary + " and was still falling at the end", evidence,
                fix="nothing to fix; it was still improving: more steps may help")
+
+
+def _without_trend(loss: np.ndarray, first: float, last: float, noise_rel: float,
+                   evidence: dict[str, Any]) -> Diagnosis:
+  """"oscillating" when the steps swing together (|lag-1 autocorrelation| above what noise
+  gives for n points) or the noise is wild, else "flat"."""
+  n = loss.size
+  rel_drop = evidence["rel_drop"]
+  rho = _lag1_autocorrelation(loss)
+  evidence["lag1_autocorrelation"] = rho
+  limit = max(SWING_AUTOCORR, 2.5 / math.sqrt(n))
+  if abs(rho) >= limit or noise_rel >= WILD_NOISE_REL:
+    kind = ("alternating up and down from step to step" if rho <= -limit else
+            "persistent swings" if rho >= limit else f"step-to-step noise of {noise_rel:.0%}")
+    return _make("oscillating", f"no trend ({rel_drop:+.1%} change) but {kind} "
+                 f"(lag-1 autocorrelation {rho:+.2f}, noise {noise_rel:.0%} of the level)", evidence)
+  return _make("flat", f"the loss barely moved: {first:.4g} -> {last:.4g} ({rel_drop:+.1%}); "
+               "what varies looks like batch-to-batch noise", evidence)
 
 
 def _finite_validation(val_steps, val_loss) -> tuple[np.ndarray, np.ndarray]:
