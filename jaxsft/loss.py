@@ -7,8 +7,8 @@ gradient-accumulation micro-batches and data-parallel shards is
 
   loss = Σ_micro Σ_t nll_t / Σ_micro Σ_t valid_t
 
-(the global count), never a mean of per-micro-batch means. `combine_sums` and
-`normalize_by_valid` are the arithmetic the trainer and the tests share.
+(the global count), never a mean of per-micro-batch means. `normalize_by_valid` is that
+division for the trainer's step (`jaxsft.step`) and the tests; `combine_sums` adds the pairs.
 
 Pure functions over arrays; jittable; log-softmax in float32 whatever the logits' dtype; zero
 loss with finite zero gradients when nothing is valid.
@@ -106,11 +106,11 @@ def normalize_by_valid(tree, n_valid: jax.Array):
   The same scale applies to the loss and to every gradient leaf, so accumulating sums over
   micro-batches and normalizing once gives the full-batch mean and its gradient.
   """
-  scale = 1.0 / jnp.maximum(jnp.asarray(n_valid, jnp.float32), 1.0)
+  count = jnp.maximum(jnp.asarray(n_valid, jnp.float32), 1.0)
 
   def scale_leaf(x):
     x = jnp.asarray(x)
-    return (x * scale).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x * scale
+    return (x / count).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x / count
 
   return jax.tree.map(scale_leaf, tree)
 

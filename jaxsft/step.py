@@ -157,9 +157,7 @@ def make_step_functions(graphdef, cfg: config_lib.TrainConfig, tx: optax.Gradien
             "n_valid": acc["n_valid"] + n_valid}
 
   def apply(lora, opt_state, acc):
-    n_valid = jnp.maximum(acc["n_valid"], 1).astype(jnp.float32)
-    grads = jax.tree.map(lambda g: g / n_valid, acc["grads"])
-    loss = acc["nll"] / n_valid
+    loss, grads = loss_lib.normalize_by_valid((acc["nll"], acc["grads"]), acc["n_valid"])
     lr = schedule(updates_applied(opt_state))  # read before the update: the rate it uses
     updates, opt_state = tx.update(grads, opt_state, lora)
     lora = optax.apply_updates(lora, updates)

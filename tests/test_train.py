@@ -199,8 +199,16 @@ def test_accumulated_micro_batches_equal_one_batch_whatever_the_padding(tokenize
   np.testing.assert_allclose(acc_one["nll"], acc_two["nll"], rtol=1e-6)
   for g1, g2 in zip(jax.tree.leaves(acc_one["grads"]), jax.tree.leaves(acc_two["grads"])):
     np.testing.assert_allclose(g1, g2, rtol=1e-5, atol=1e-6)
-  # The step's loss is the global Σ nll / Σ valid, not the mean of the two micro-batch means.
+  # apply normalizes once: the gradient it clips and reports is Σ∇nll / Σ valid, the same from
+  # either accumulator.
+  _, _, out_one = apply(params, jax.jit(tx.init)(params), acc_one)
   _, _, out = apply(params, jax.jit(tx.init)(params), acc_two)
+  summed_norm = float(np.sqrt(sum(float(jnp.sum(g * g)) for g in jax.tree.leaves(acc_one["grads"]))))
+  assert summed_norm > 0
+  np.testing.assert_allclose(out["grad_norm"], summed_norm / int(acc_one["n_valid"]), rtol=1e-5)
+  np.testing.assert_allclose(out["grad_norm"], out_one["grad_norm"], rtol=1e-5)
+  assert float(out["loss"]) == pytest.approx(float(out_one["loss"]), rel=1e-6)
+  # The step's loss is the global Σ nll / Σ valid, not the mean of the two micro-batch means.
   nll1, n1 = evaluate(params, frozen, first)
   nll2, n2 = evaluate(params, frozen, second)
   mean_of_means = float(nll1 / n1 + nll2 / n2) / 2
