@@ -52,7 +52,8 @@ class LoraConfig:
 @dataclasses.dataclass
 class DataConfig:
   path: str | None = None
-  """Training data (JSON/JSONL, .gz too). None: jaxsft's built-in synthetic task set."""
+  """Training data: JSON/JSONL (.gz too), parquet, Arrow, a folder of parquet shards or of `datasets`'
+  save_to_disk. None: jaxsft's built-in synthetic task set."""
   field_map: dict[str, str] | None = None
   """Map of canonical field names to the file's names, e.g. {"output": "response"}."""
   format: str = "auto"
