@@ -84,15 +84,17 @@ def _held_out(records, indices):
 
 def _load_file(path: str, cfg: config_lib.TrainConfig):
   d = cfg.data
+  tokenizer = models.load_tokenizer(cfg.model.name)
   if d.cache:
-    tokenizer = models.load_tokenizer(cfg.model.name)
     result = data_lib.open_or_build(path, tokenizer, max_length=d.max_length, train_on=d.train_on, fmt=d.format,
                                     field_map=d.field_map, on_error=d.on_error, cache_dir=d.cache_dir)
     log.info("token store %s: %s %.1fs: %s", result.store.folder, "built in" if result.built else "found in",
              result.seconds, result.store.summary())
     return result.store.records()
   report = data_lib.SkipReport()
-  records = data_lib.load_records(path, fmt=d.format, field_map=d.field_map, on_error=d.on_error, report=report)
+  # Rendered as they load: a record the chat template cannot label is skipped (or named) here.
+  records = data_lib.load_records(path, fmt=d.format, field_map=d.field_map, on_error=d.on_error, report=report,
+                                  check=data_lib.SpanRenderer(tokenizer, train_on=d.train_on))
   if report.skipped:
     log.warning("%s", report.summary())
   return records

@@ -62,6 +62,80 @@ def test_build_then_find_then_stats_from_the_store(shared_data, tmp_path, capsys
   assert [p.name for p in (tmp_path / "cache").iterdir()] == [pathlib.Path(folder).name]  # stats reused it
 
 
+def test_stats_without_the_store_counts_the_skipped_records(tmp_path, capsys):
+  data = tmp_path / "d.jsonl"
+  data.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": ""}\n{"prompt": "c"}\n')
+  assert main(["stats", "--data", str(data), "--max-length", "64", "--no-cache"]) == 0
+  assert f"{data}: 1 records (2 skipped)" in capsys.readouterr().out
+
+
+# ChatML, plus a note after any turn that contains "zzz": the reply span of such a turn cannot be located.
+NOTE_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% if 'zzz' in m['content'] %}(note)\n{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture
+def note_model(tokenizer, tmp_path):
+  """A tokenizer folder with NOTE_TEMPLATE, and data whose record on line 5 it cannot label."""
+  import copy
+
+  tok = copy.deepcopy(tokenizer)
+  tok.chat_template = NOTE_TEMPLATE
+  tok.save_pretrained(str(tmp_path / "tok"))
+  (tmp_path / "tok" / "config.json").write_text('{"model_type": "llama"}')
+  data = tmp_path / "d.jsonl"
+  data.write_text('{"prompt": "a", "completion": "b"}\n\n{"prompt": "a"}\n{"prompt": "a", "completion": "c"}\n'
+                  '{"prompt": "q", "completion": "zzz"}\n')
+  return tmp_path / "tok", data
+
+
+@pytest.mark.parametrize("command", ["build", "stats", "stats --no-cache"])
+def test_a_record_the_template_cannot_label_is_an_error_or_a_skip(note_model, tmp_path, capsys, command):
+  tok, data = note_model
+  run = lambda path, on_error: main([*command.split(), "--data", str(path), "--model", str(tok), "--max-length", "64",
+                                     "--cache-dir", str(tmp_path / "cache"), "--on-error", on_error])
+  data_without_line_3 = tmp_path / "d2.jsonl"
+  data_without_line_3.write_text(data.read_text().replace('{"prompt": "a"}\n', "\n"))
+  assert run(data, "raise") == 2
+  err = capsys.readouterr().err
+  assert err.startswith(f"error: {data}: line 3: field 'completion': missing") and err.count("\n") == 1
+  assert run(data_without_line_3, "raise") == 2
+  err = capsys.readouterr().err
+  assert err.startswith(f"error: {data_without_line_3}: line 5: assistant turn 1: the chat template renders")
+  assert err.count("\n") == 1  # one line, no traceback
+  assert run(data, "skip") == 0
+  out = capsys.readouterr().out
+  if command == "build":
+    assert "2 of 4 records skipped as invalid" in out and "cannot locate the reply span" in out
+  else:
+    assert f"{data}: 2 records (2 skipped)" in out
+
+
+def test_the_trainer_reports_a_record_the_template_cannot_label_in_one_line(note_model, tmp_path):
+  tok, data = note_model
+  data.write_text(data.read_text().replace('{"prompt": "a"}\n', "\n"))
+  done = subprocess.run([sys.executable, "-m", "jaxsft.train", "--model", str(tok), "--data", str(data),
+                         "--output-dir", str(tmp_path / "run"), f"data.cache_dir={tmp_path / 'cache'}", "--no-progress"],
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 2, done.stderr
+  assert f"error: {data}: line 5: assistant turn 1: the chat template renders" in done.stderr
+  assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_the_trainer_skips_a_record_the_template_cannot_label(note_model, tmp_path, cache):
+  from jaxsft import config as config_lib
+  from jaxsft import train
+
+  tok, data = note_model
+  cfg = config_lib.TrainConfig()
+  cfg.model.name = str(tok)
+  cfg.data.on_error, cfg.data.cache, cfg.data.cache_dir = "skip", cache, str(tmp_path / "cache")
+  records = train._load_file(str(data), cfg)
+  assert [r["messages"][-1]["content"] for r in records] == ["b", "c"]  # line 3 (no completion), line 5 (zzz) left out
+
+
 @pytest.mark.slow
 def test_module_entry_point(shared_data):
   done = subprocess.run([sys.executable, "-m", "jaxsft.data", "stats", "--data",

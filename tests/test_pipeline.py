@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from jaxsft.data import (IGNORE_INDEX, PipelineStats, batch_shapes, count_batches, load_records, make_batches,
-                         tokenize_records)
+from jaxsft.data import (IGNORE_INDEX, DataError, PipelineStats, batch_shapes, count_batches, load_records,
+                         make_batches, tokenize_records)
 
 MAX_LENGTH = 256
 
@@ -259,3 +259,19 @@ def test_mismatched_tokenized_is_an_error(records, tokenizer, tokens):
   shorter = tokens.with_max_length(128)  # what a caller does for a smaller max_length
   assert count_batches(shorter, max_length=128, batching="static") == sum(
       1 for _ in make_batches(records, tokenizer, max_length=128, batching="static"))
+
+
+@pytest.mark.parametrize("worker_count", [0, 1])
+def test_a_record_the_template_cannot_label_names_its_file_and_line(tokenizer, tmp_path, worker_count):
+  """Tokenized in the map (no `tokenized=`), in a worker too: the error names where the record was read."""
+  import copy
+
+  tok = copy.deepcopy(tokenizer)
+  tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                       "{% if 'zzz' in m['content'] %}(note)\n{% endif %}{% endfor %}")
+  path = tmp_path / "d.jsonl"
+  path.write_text('{"prompt": "a", "completion": "b"}\n\n{"prompt": "q", "completion": "zzz"}\n')
+  batches = make_batches(load_records(path), tok, max_length=64, batching="static", batch_size=2, shuffle=False,
+                         worker_count=worker_count)
+  with pytest.raises(DataError, match=rf"{path}: line 3: assistant turn 1: .*cannot locate the reply span"):
+    list(batches)

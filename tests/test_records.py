@@ -3,10 +3,11 @@
 import gzip
 import json
 import logging
+import pickle
 
 import pytest
 
-from jaxsft.data import DataError, SkipReport, load_records
+from jaxsft.data import DataError, Record, SkipReport, load_records
 
 
 def write_jsonl(path, rows):
@@ -71,7 +72,8 @@ BAD = [
     ("lines_invalid.jsonl", '{"prompt": "a", "completion": "b"}\n{"prompt": "a", completion: 1}\n',
      ["line 2", "invalid JSON"]),
     ("missing.json", json.dumps([{"instruction": "a", "output": "b"}, {"instruction": "a", "outptu": "b"}]),
-     ["index 1", "unknown record format"]),
+     ["index 1", "field 'output': missing", "Alpaca record"]),
+    ("unknown.json", json.dumps([{"question": "a", "answer": "b"}]), ["index 0", "unknown record format"]),
     ("missing_content.jsonl", json.dumps({"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}),
      ["line 1", "'messages[0].content'", "missing"]),
     ("nonstring.json", json.dumps([{"instruction": "a", "input": 3, "output": "b"}]),
@@ -115,9 +117,104 @@ def test_skip_reports_what_and_why(tmp_path, caplog):
   assert [where for where, _ in report.skipped] == ["line 2", "line 3", "line 5"]
   assert "empty assistant reply" in report.skipped[0][1]
   assert "must end with an assistant turn" in report.skipped[1][1]
-  assert report.skipped[2][1] == "invalid JSON"
+  assert report.skipped[2][1] == "invalid JSON: Expecting property name enclosed in double quotes (column 2)"
   assert "skipped 3 of 5 records" in caplog.text
   load_records(path, on_error="skip", report=report)
   assert report.total == 5 and report.num_skipped == 3  # a report passed again is refilled, not added to
   with pytest.raises(DataError, match="every record was invalid"):
     load_records(write_jsonl(tmp_path / "bad.jsonl", rows[1:3]), on_error="skip")
+
+
+def test_keys_that_partly_match_a_format_name_the_missing_field(tmp_path):
+  path = tmp_path / "partial.jsonl"
+  path.write_text('{"instruction": "q", "output": "a"}\n\n{"instruction": "a"}\n{"completion": "c"}\n')
+  with pytest.raises(DataError, match=r"partial.jsonl: line 3: field 'output': missing \(keys \['instruction'\] "
+                                      r"look like an Alpaca record"):
+    load_records(path)
+  report = SkipReport()
+  load_records(path, on_error="skip", report=report)
+  assert [(where, reason.split(" (")[0]) for where, reason in report.skipped] == [
+      ("line 3", "field 'output': missing"), ("line 4", "field 'prompt': missing")]
+  # the file's own field names, under a field map
+  mapped = tmp_path / "mapped.jsonl"
+  mapped.write_text('{"question": "q"}\n')
+  with pytest.raises(DataError, match=r"line 1: field 'answer': missing .* needs 'question' and 'answer'"):
+    load_records(mapped, field_map={"instruction": "question", "output": "answer"})
+
+
+def test_invalid_json_names_the_column_within_its_line(tmp_path):
+  path = tmp_path / "cut.jsonl"
+  path.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a"\n')
+  with pytest.raises(DataError, match=r"line 2: invalid JSON: Expecting ',' delimiter \(column 15\)$"):
+    load_records(path)
+
+
+def test_a_line_that_is_not_utf8_is_named_and_skippable(tmp_path):
+  good = json.dumps({"prompt": "é" * 600, "completion": "b"}, ensure_ascii=False).encode() + b"\n"
+  bad = b'{"prompt": "caf\xe9 ok", "completion": "b"}\n'  # Latin-1, past the first 1,024 bytes
+  for name, opener in (("latin.jsonl", open), ("latin.jsonl.gz", gzip.open)):
+    path = tmp_path / name
+    with opener(path, "wb") as f:
+      f.write(good * 3 + bad + good)
+    with pytest.raises(DataError) as info:
+      load_records(path)
+    assert str(info.value) == f"{path}: line 4: not valid UTF-8 (byte 0xe9 at column 16)"
+    report = SkipReport()
+    assert len(load_records(path, on_error="skip", report=report)) == 4
+    assert report.total == 5 and report.skipped == [("line 4", "not valid UTF-8 (byte 0xe9 at column 16)")]
+
+
+def test_a_json_array_that_is_not_utf8_names_line_and_column(tmp_path, monkeypatch):
+  from jaxsft.data import records as records_lib
+
+  monkeypatch.setattr(records_lib, "_CHUNK", 64)  # the bad byte lies several reads into the file
+  rows = [{"instruction": f"é{i}", "output": "b"} for i in range(20)]
+  text = json.dumps(rows, ensure_ascii=False, indent=1).encode()
+  at = text.index("é19".encode())
+  path = tmp_path / "bad.json"
+  path.write_bytes(text[:at] + b"\xff" + text[at + 2:])
+  line = text[:at].count(b"\n") + 1
+  column = len(text[text.rfind(b"\n", 0, at) + 1:at].decode()) + 1
+  with pytest.raises(DataError) as info:
+    load_records(path, on_error="skip")
+  assert str(info.value) == f"{path}: line {line}: not valid UTF-8 (byte 0xff at column {column})"
+  path.write_bytes(b'[{"instruction": "a", "output": "b"},\n "\xc3')  # a character cut off by the file's end
+  with pytest.raises(DataError, match=r"line 2: not valid UTF-8 \(byte 0xc3 at column 3\)$"):
+    load_records(path)
+
+
+def test_a_utf8_byte_order_mark_is_accepted(tmp_path):
+  rows = [{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": "d"}]
+  for name, text in (("bom.jsonl", "".join(json.dumps(r) + "\n" for r in rows)), ("bom.json", json.dumps(rows))):
+    path = tmp_path / name
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    report = SkipReport()
+    records = load_records(path, on_error="skip", report=report)
+    assert [r["messages"][0]["content"] for r in records] == ["a", "c"] and report.num_skipped == 0
+  (tmp_path / "only.jsonl").write_bytes(b"\xef\xbb\xbf\n")
+  with pytest.raises(DataError, match="empty file"):
+    load_records(tmp_path / "only.jsonl")
+
+
+def test_records_remember_where_they_were_read(tmp_path):
+  path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b"}] * 2)
+  records = load_records(path)
+  assert [(type(r), r.path, r.where) for r in records] == [(Record, str(path), "line 1"), (Record, str(path), "line 2")]
+  assert records[0] == {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+  assert json.loads(json.dumps(records[0])) == records[0]
+  again = pickle.loads(pickle.dumps(records[1]))  # as a Grain worker receives it
+  assert again == records[1] and (again.path, again.where) == (str(path), "line 2")
+
+
+def test_check_rejects_records_like_the_loader(tmp_path):
+  path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b"}, {"prompt": "no", "completion": "c"}])
+
+  def check(record):
+    if record["messages"][0]["content"] == "no":
+      raise ValueError("assistant turn 1: refused")
+
+  with pytest.raises(DataError, match=r"d.jsonl: line 2: assistant turn 1: refused$"):
+    load_records(path, check=check)
+  report = SkipReport()
+  assert len(load_records(path, on_error="skip", report=report, check=check)) == 1
+  assert report.skipped == [("line 2", "assistant turn 1: refused")]

@@ -6,7 +6,8 @@ import copy
 import numpy as np
 import pytest
 
-from jaxsft.data import IGNORE_INDEX, load_records, render_with_spans, tokenize_example, tokenize_records
+from jaxsft.data import (IGNORE_INDEX, DataError, SkipReport, load_records, render_with_spans, tokenize_example,
+                         tokenize_file, tokenize_records)
 
 IM_END = "<|im_end|>"
 
@@ -213,3 +214,74 @@ def test_labels_without_offsets_equal_the_offsets_rule(tokenizer):
       for a, b in runs:
         fast[a:b] = ids[a:b]
       np.testing.assert_array_equal(fast, _labels_from_offsets(ids, np.asarray(enc.offsets).reshape(-1, 2), [(s, e)]))
+
+
+# ChatML, plus a note after any turn that contains "zzz": the text after a reply depends on the
+# reply, so its span cannot be located.
+NOTE_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% if 'zzz' in m['content'] %}(note)\n{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# A template that refuses some conversations with raise_exception, as Gemma's and Mistral's do.
+REFUSING_TEMPLATE = ("{% for m in messages %}{% if m['content'] == 'refuse' %}"
+                     "{{ raise_exception('no refusals here') }}{% endif %}"
+                     "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def with_template(tokenizer, template):
+  copied = copy.deepcopy(tokenizer)
+  copied.chat_template = template
+  return copied
+
+
+@pytest.fixture
+def unlabelable(tmp_path):
+  """JSONL whose record on line 5 (after a blank line and an invalid one) the note template cannot label."""
+  path = tmp_path / "d.jsonl"
+  path.write_text('{"prompt": "a", "completion": "b"}\n\n{"prompt": "a"\n{"prompt": "a", "completion": "c"}\n'
+                  '{"prompt": "q", "completion": "zzz"}\n{"prompt": "d", "completion": "e"}\n')
+  return path
+
+
+def test_a_record_the_template_cannot_label_is_named_by_file_and_line(tokenizer, unlabelable):
+  tok = with_template(tokenizer, NOTE_TEMPLATE)
+  records = load_records(unlabelable, on_error="skip")
+  with pytest.raises(DataError) as info:
+    tokenize_records(tok, records, max_length=64)
+  assert str(info.value).startswith(f"{unlabelable}: line 5: assistant turn 1: the chat template renders the rest "
+                                    "of the conversation differently depending on the reply's text")
+  plain = [dict(r) for r in records]  # records that do not know where they were read: their index
+  with pytest.raises(DataError, match=r"^record 2: assistant turn 1: "):
+    tokenize_records(tok, plain, max_length=64)
+
+
+def test_tokenize_file_raises_or_skips_what_the_template_cannot_label(tokenizer, unlabelable, caplog):
+  tok = with_template(tokenizer, NOTE_TEMPLATE)
+  with pytest.raises(DataError, match=r"d.jsonl: line 3: invalid JSON"):
+    tokenize_file(tok, unlabelable, max_length=64)
+  unlabelable.write_text(unlabelable.read_text().replace('{"prompt": "a"\n', '\n'))
+  with pytest.raises(DataError, match=r"d.jsonl: line 5: assistant turn 1: .*cannot locate the reply span$"):
+    tokenize_file(tok, unlabelable, max_length=64)
+  report = SkipReport()
+  with caplog.at_level("WARNING", logger="jaxsft.data"):
+    records, tokenized = tokenize_file(tok, unlabelable, max_length=64, on_error="skip", report=report)
+  assert "skipped 1 of 4 records" in caplog.text and "cannot locate the reply span" in caplog.text
+  assert report.total == 4 and [where for where, _ in report.skipped] == ["line 5"]
+  assert report.skipped[0][1].startswith("assistant turn 1: the chat template renders the rest")
+  assert [r["messages"][1]["content"] for r in records] == ["b", "c", "e"] and len(tokenized) == 3
+  reference = tokenize_records(tok, records, max_length=64)
+  for a, b in zip(tokenized.examples, reference.examples):
+    np.testing.assert_array_equal(a["labels"], b["labels"])
+
+
+def test_a_conversation_the_template_refuses_is_a_bad_record(tokenizer, tmp_path):
+  tok = with_template(tokenizer, REFUSING_TEMPLATE)
+  path = tmp_path / "d.jsonl"
+  path.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "refuse", "completion": "c"}\n')
+  with pytest.raises(DataError, match=r"d.jsonl: line 2: the chat template rejects the conversation: no refusals here"):
+    tokenize_file(tok, path, max_length=64)
+  with pytest.raises(DataError, match=r"d.jsonl: line 2: the chat template rejects"):
+    tokenize_records(tok, load_records(path), max_length=64)  # the fast path's direct render refuses it too
+  report = SkipReport()
+  records, _ = tokenize_file(tok, path, max_length=64, on_error="skip", report=report)
+  assert len(records) == 1 and report.skipped == [("line 2", "the chat template rejects the conversation: no refusals here")]

@@ -10,16 +10,18 @@ from jaxsft.data.bucketing import BatchPlan, BucketBatchIterDataset
 from jaxsft.data.collate import (PaddingCost, bucket_index, choose_buckets, collate, padding_cost, round_up,
                                  target_length)
 from jaxsft.data.pipeline import BATCHING, PipelineStats, batch_shapes, count_batches, make_batches
-from jaxsft.data.records import FORMATS, ON_ERROR, DataError, SkipReport, iter_records, load_records, normalize_record
+from jaxsft.data.records import (FORMATS, ON_ERROR, DataError, Record, SkipReport, iter_records, load_records,
+                                 normalize_record)
 from jaxsft.data.store import StoreError, TokenStore, open_or_build
 from jaxsft.data.tokenize import (PLAIN_CHAT_TEMPLATE, TRAIN_ON, SpanRenderer, TokenizedRecords, encode_batches,
-                                  render_with_spans, tokenize_example, tokenize_records)
+                                  render_with_spans, tokenize_example, tokenize_file, tokenize_records)
 from jaxsft.labels import IGNORE_INDEX  # re-exported: jaxsft.data.IGNORE_INDEX
 
 __all__ = [
     "BATCHING", "BatchPlan", "BucketBatchIterDataset", "DataError", "FORMATS", "IGNORE_INDEX", "ON_ERROR",
-    "PLAIN_CHAT_TEMPLATE", "PaddingCost", "PipelineStats", "SkipReport", "SpanRenderer", "StoreError", "TRAIN_ON",
-    "TokenStore", "TokenizedRecords", "batch_shapes", "bucket_index", "choose_buckets", "collate", "count_batches",
-    "encode_batches", "iter_records", "load_records", "make_batches", "normalize_record", "open_or_build",
-    "padding_cost", "render_with_spans", "round_up", "target_length", "tokenize_example", "tokenize_records",
+    "PLAIN_CHAT_TEMPLATE", "PaddingCost", "PipelineStats", "Record", "SkipReport", "SpanRenderer", "StoreError",
+    "TRAIN_ON", "TokenStore", "TokenizedRecords", "batch_shapes", "bucket_index", "choose_buckets", "collate",
+    "count_batches", "encode_batches", "iter_records", "load_records", "make_batches", "normalize_record",
+    "open_or_build", "padding_cost", "render_with_spans", "round_up", "target_length", "tokenize_example",
+    "tokenize_file", "tokenize_records",
 ]

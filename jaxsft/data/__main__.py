@@ -52,7 +52,7 @@ def main(argv=None) -> int:
 
   tokenizer = load_tokenizer(args.model)
   try:
-    records, tokenized, result = _tokenized(args, tokenizer)
+    records, tokenized, result, skipped = _tokenized(args, tokenizer)
   except (DataError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -64,31 +64,30 @@ def main(argv=None) -> int:
     print(f"{result.store.summary()}")
     print(f"{info['bytes'] / 2**20:.1f} MiB on disk")
     return 0
-  return _stats(args, tokenizer, records, tokenized)
+  return _stats(args, tokenizer, records, tokenized, skipped)
 
 
 def _tokenized(args, tokenizer):
-  """(records, TokenizedRecords, StoreResult or None), from the store unless --no-cache."""
-  settings = dict(max_length=args.max_length, train_on=args.train_on)
+  """(records, TokenizedRecords, StoreResult or None, records skipped), from the store unless --no-cache."""
+  settings = dict(max_length=args.max_length, train_on=args.train_on, fmt=args.format, field_map=args.field_map,
+                  on_error=args.on_error)
   if args.no_cache:
-    from jaxsft.data.records import SkipReport, load_records
-    from jaxsft.data.tokenize import tokenize_records
+    from jaxsft.data.records import SkipReport
+    from jaxsft.data.tokenize import tokenize_file
 
-    records = load_records(args.data, fmt=args.format, field_map=args.field_map, on_error=args.on_error,
-                           report=SkipReport())
-    return records, tokenize_records(tokenizer, records, **settings), None
+    report = SkipReport()
+    records, tokenized = tokenize_file(tokenizer, args.data, report=report, **settings)
+    return records, tokenized, None, report.num_skipped
   from jaxsft.data.store import open_or_build
 
-  result = open_or_build(args.data, tokenizer, fmt=args.format, field_map=args.field_map, on_error=args.on_error,
-                         cache_dir=args.cache_dir, **settings)
-  return result.store.records(), result.store.tokenized(), result
+  result = open_or_build(args.data, tokenizer, cache_dir=args.cache_dir, **settings)
+  return result.store.records(), result.store.tokenized(), result, result.store.manifest["skipped"]
 
 
-def _stats(args, tokenizer, records, tokenized) -> int:
+def _stats(args, tokenizer, records, tokenized, skipped: int) -> int:
   from jaxsft.data.stats import compare_batching, format_comparison, length_summary, text_histogram
 
   summary = length_summary(tokenized)
-  skipped = getattr(getattr(records, "store", None), "manifest", {}).get("skipped", 0)
   print(f"{args.data}: {len(records)} records ({skipped} skipped), tokenizer {args.model}")
   print(f"tokens per example (before truncation): min {summary['min']}, p50 {summary['p50']:.0f}, "
         f"p90 {summary['p90']:.0f}, p99 {summary['p99']:.0f}, max {summary['max']}, mean {summary['mean']:.1f}")

@@ -46,7 +46,7 @@ import numpy as np
 from jaxsft.data.bucketing import BatchPlan, BucketBatchIterDataset
 from jaxsft.data.collate import bucket_index, choose_buckets
 from jaxsft.data.packing import packed_batches
-from jaxsft.data.tokenize import TokenizedRecords, _encode_with_length, tokenize_records
+from jaxsft.data.tokenize import TokenizedRecords, _encode_with_length, _record_error, tokenize_records
 from jaxsft.labels import IGNORE_INDEX
 
 BATCHING = ("static", "dynamic", "bucketed", "packed")
@@ -122,11 +122,12 @@ class _TokenizeStep:
     if self.tokenized is not None:
       example, full_length = self.tokenized.examples[record_index], int(self.tokenized.full_lengths[record_index])
     else:
+      record = self.records[record_index]
       try:
-        example, full_length = _encode_with_length(self.tokenizer, self.records[record_index],
-                                                   max_length=self.max_length, train_on=self.train_on)
-      except ValueError as e:
-        raise ValueError(f"record {record_index}: {e}") from None
+        example, full_length = _encode_with_length(self.tokenizer, record, max_length=self.max_length,
+                                                   train_on=self.train_on)
+      except ValueError as e:  # a DataError naming the record's file and line where it knows them
+        raise _record_error(e, record, record_index) from None
     out = dict(example) if example is not None else {}
     out.update(epoch=index // self.num_records, full_length=full_length)
     return out

@@ -18,12 +18,16 @@ file (IPC stream or file format), a folder of parquet shards, or a folder writte
 `datasets`' `save_to_disk` (`state.json` listing `data-*.arrow` shards in the IPC stream format;
 a `DatasetDict` folder (`dataset_dict.json`) gives its `train` split). Records are streamed: JSONL
 line by line, a JSON array element by element, Arrow in record batches, so memory does not grow
-with the file. Bad input raises `DataError` naming the file, the line (JSONL), index (JSON array)
-or row (Arrow, with the shard), and the field.
+with the file. Text is UTF-8 (a leading byte-order mark is allowed); JSONL lines are decoded one
+by one, so a line that is not UTF-8 is a bad record like any other. Bad input raises `DataError`
+naming the file, the line (JSONL), index (JSON array) or row (Arrow, with the shard), and the field.
+Records are `Record`s: dicts that remember that file and position, so that a problem found later
+(a chat template that cannot render one) names them too.
 """
 
 from __future__ import annotations
 
+import codecs
 import collections
 import dataclasses
 import gzip
@@ -31,7 +35,7 @@ import json
 import logging
 import os
 import pathlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 logger = logging.getLogger("jaxsft.data")
 
@@ -43,6 +47,8 @@ _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assista
 # The keys whose presence identifies a format, in detection order.
 _SIGNATURES = (("messages", ("messages",)), ("sharegpt", ("conversations",)),
                ("alpaca", ("instruction", "output")), ("prompt_completion", ("prompt", "completion")))
+_FORMAT_NAMES = {"alpaca": "an Alpaca", "prompt_completion": "a prompt/completion"}
+_BOM = b"\xef\xbb\xbf"
 
 
 class DataError(ValueError):
@@ -53,6 +59,22 @@ class DataError(ValueError):
     self.path, self.where, self.field, self.reason = path, where, field, message
     parts = [p for p in (path, where, f"field {field!r}" if field else None) if p]
     super().__init__(f"{': '.join(parts)}: {message}" if parts else message)
+
+
+class Record(dict):
+  """A normalized record that remembers where it was read (`path`, and `where` as in DataError).
+
+  Otherwise a plain dict: equality, JSON and `dict(record)` see only its items.
+  """
+
+  __slots__ = ("path", "where")
+
+  def __init__(self, items: dict, path: str | None = None, where: str | None = None):
+    super().__init__(items)
+    self.path, self.where = path, where
+
+  def __reduce__(self):  # pickled (to a Grain worker) with its position
+    return Record, (dict(self), self.path, self.where)
 
 
 @dataclasses.dataclass
@@ -82,7 +104,8 @@ class SkipReport:
 
 
 def load_records(path: str | os.PathLike, fmt: str = "auto", field_map: dict[str, str] | None = None,
-                 on_error: str = "raise", report: SkipReport | None = None) -> list[dict]:
+                 on_error: str = "raise", report: SkipReport | None = None,
+                 check: Callable[[dict], Any] | None = None) -> list[dict]:
   """Loads an instruction data file as normalized chat records.
 
   Args:
@@ -97,16 +120,19 @@ def load_records(path: str | os.PathLike, fmt: str = "auto", field_map: dict[str
       left out and a warning summary is logged).
     report: a `SkipReport` filled in place with the file, the records read and each skipped
       record with where it was and why.
+    check: called with each normalized record; a ValueError it raises (e.g. the chat template
+      cannot render the record) makes the record bad like the loader's own checks do.
 
   Returns:
-    A list of `{"messages": [...]}` dicts. An empty file, or one where nothing is left after
-    skipping, raises `DataError`.
+    A list of `{"messages": [...]}` dicts (`Record`s). An empty file, or one where nothing is left
+    after skipping, raises `DataError`.
   """
-  return list(iter_records(path, fmt=fmt, field_map=field_map, on_error=on_error, report=report))
+  return list(iter_records(path, fmt=fmt, field_map=field_map, on_error=on_error, report=report, check=check))
 
 
 def iter_records(path: str | os.PathLike, fmt: str = "auto", field_map: dict[str, str] | None = None,
-                 on_error: str = "raise", report: SkipReport | None = None) -> Iterator[dict]:
+                 on_error: str = "raise", report: SkipReport | None = None,
+                 check: Callable[[dict], Any] | None = None) -> Iterator[dict]:
   """`load_records` as a stream: yields each normalized record as it is read (the checks for an
   empty file and for nothing left after skipping run when the stream ends)."""
   if on_error not in ON_ERROR:
@@ -118,14 +144,19 @@ def iter_records(path: str | os.PathLike, fmt: str = "auto", field_map: dict[str
   report = report if report is not None else SkipReport()
   report.path, report.total, report.skipped = path, 0, []
   kept = 0
-  for where, raw in _read_raw(path, report if on_error == "skip" else None):
+  for where, raw in _read_raw(path):
     report.total += 1
     try:
-      record = normalize_record(raw, fmt=fmt, field_map=field_map)
-    except DataError as e:
+      if isinstance(raw, _BadLine):
+        raise DataError(raw.reason)
+      record = Record(normalize_record(raw, fmt=fmt, field_map=field_map), path, where)
+      if check is not None:
+        check(record)
+    except ValueError as e:  # DataError, or what `check` raises
+      reason, field = getattr(e, "reason", str(e)), getattr(e, "field", None)
       if on_error == "raise":
-        raise DataError(e.reason, path=path, where=where, field=e.field) from None
-      report.skipped.append((where, f"field {e.field!r}: {e.reason}" if e.field else e.reason))
+        raise DataError(reason, path=path, where=where, field=field) from None
+      report.skipped.append((where, f"field {field!r}: {reason}" if field else reason))
       continue
     kept += 1
     yield record
@@ -137,17 +168,22 @@ def iter_records(path: str | os.PathLike, fmt: str = "auto", field_map: dict[str
     raise DataError(f"every record was invalid:\n{report.summary()}", path=path)
 
 
-def _open_text(path: str):
-  if path.endswith(".gz"):
-    return gzip.open(path, "rt", encoding="utf-8")
-  return open(path, encoding="utf-8")
+@dataclasses.dataclass(frozen=True)
+class _BadLine:
+  """A JSONL line that cannot be a record (not UTF-8, not JSON): `iter_records` raises or skips it."""
+
+  reason: str
+
+
+def _open_binary(path: str):
+  return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
 _ARROW_SUFFIXES = (".parquet", ".arrow")
 _CHUNK = 1 << 20
 
 
-def _read_raw(path: str, report: SkipReport | None) -> Iterator[tuple[str, Any]]:
+def _read_raw(path: str) -> Iterator[tuple[str, Any]]:
   """Yields `(where, raw_record)`; `where` is "index i" (JSON array), "line n" (JSONL) or
   "row i" (Arrow; "SHARD row i" in a folder of several)."""
   if os.path.isdir(path) or path.endswith(_ARROW_SUFFIXES):
@@ -156,40 +192,84 @@ def _read_raw(path: str, report: SkipReport | None) -> Iterator[tuple[str, Any]]
   if not os.path.isfile(path):
     raise DataError("no such file", path=path)
   try:
-    with _open_text(path) as f:
-      first = _first_char(f)
+    with _open_binary(path) as f:
+      first = _first_byte(f)
       if first is None:
         raise DataError("empty file", path=path)
-    with _open_text(path) as f:
-      if first == "[":
-        yield from _read_json_array(f, path)
+    with _open_binary(path) as f:
+      if first == b"[":
+        yield from _read_json_array(_Utf8Reader(f, path), path)
       else:
-        yield from _read_jsonl(f, path, report)
-  except (OSError, UnicodeDecodeError, EOFError, gzip.BadGzipFile) as e:
+        yield from _read_jsonl(f)
+  except (OSError, EOFError, gzip.BadGzipFile) as e:
     raise DataError(f"cannot read: {e}", path=path) from None
 
 
-def _first_char(f) -> str | None:
+def _first_byte(f) -> bytes | None:
+  """The first byte after a byte-order mark and whitespace; None for a blank file."""
+  start = True
   while chunk := f.read(4096):
+    if start and chunk.startswith(_BOM):
+      chunk = chunk[len(_BOM):]
+    start = False
     stripped = chunk.lstrip()
     if stripped:
-      return stripped[0]
+      return stripped[:1]
   return None
 
 
-def _read_jsonl(f, path: str, report: SkipReport | None) -> Iterator[tuple[str, Any]]:
-  for lineno, line in enumerate(f, start=1):
+def _utf8_error(byte: int, column: int) -> str:
+  return f"not valid UTF-8 (byte 0x{byte:02x} at column {column})"
+
+
+def _read_jsonl(f) -> Iterator[tuple[str, Any]]:
+  """`(where, raw)` per non-blank line of a binary file; `raw` is a `_BadLine` for a line that is
+  not UTF-8 or not JSON (each line is decoded alone, so a bad one does not stop the file)."""
+  for lineno, data in enumerate(f, start=1):
+    if lineno == 1 and data.startswith(_BOM):
+      data = data[len(_BOM):]
+    try:
+      line = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+      yield f"line {lineno}", _BadLine(_utf8_error(data[e.start], len(data[:e.start].decode("utf-8")) + 1))
+      continue
     if not line.strip():
       continue
     try:
-      raw = json.loads(line)
+      raw = json.loads(line.rstrip("\r\n"))  # columns count within the line, not past its newline
     except json.JSONDecodeError as e:
-      if report is None:
-        raise DataError(f"invalid JSON: {e.msg} (column {e.colno})", path=path, where=f"line {lineno}") from None
-      report.total += 1
-      report.skipped.append((f"line {lineno}", "invalid JSON"))
-      continue
+      raw = _BadLine(f"invalid JSON: {e.msg} (column {e.colno})")
     yield f"line {lineno}", raw
+
+
+class _Utf8Reader:
+  """`read(n)` of a binary file as text, decoded as it goes: a byte that is not UTF-8 raises
+  `DataError` naming its line and column (a text-mode file would name a chunk offset)."""
+
+  def __init__(self, f, path: str):
+    self.f, self.path = f, path
+    self.decoder = codecs.getincrementaldecoder("utf-8")()
+    self.line, self.column, self.start = 1, 0, True  # where the next character goes
+
+  def read(self, n: int) -> str:
+    data = self.f.read(n)
+    if self.start and data.startswith(_BOM):
+      data = data[len(_BOM):]
+    self.start = False
+    pending = self.decoder.getstate()[0]
+    try:
+      text = self.decoder.decode(data, final=not data)
+    except UnicodeDecodeError as e:  # e.start counts from the bytes the decoder held back
+      data = pending + data
+      self._advance(data[:e.start].decode("utf-8"))
+      raise DataError(_utf8_error(data[e.start], self.column + 1), path=self.path, where=f"line {self.line}") from None
+    self._advance(text)
+    return text
+
+  def _advance(self, text: str) -> None:
+    newlines = text.count("\n")
+    self.line += newlines
+    self.column = len(text) - text.rfind("\n") - 1 if newlines else self.column + len(text)
 
 
 def _read_json_array(f, path: str) -> Iterator[tuple[str, Any]]:
@@ -328,12 +408,19 @@ def normalize_record(raw: Any, *, fmt: str = "auto", field_map: dict[str, str] |
   fm = field_map or {}
   get = lambda d, key: d.get(fm.get(key, key))
   has = lambda d, key: fm.get(key, key) in d
+  fieldname = lambda key: fm.get(key, key)
   if fmt == "auto":
     fmt = next((name for name, keys in _SIGNATURES if all(has(raw, k) for k in keys)), None)
+    # Keys that partly match one format: the missing one is the likely mistake, not the format.
+    partial = [(name, keys) for name, keys in _SIGNATURES if fmt is None and any(has(raw, k) for k in keys)]
+    if len(partial) == 1:
+      name, keys = partial[0]
+      missing = next(k for k in keys if not has(raw, k))
+      raise DataError(f"missing (keys {sorted(raw)} look like {_FORMAT_NAMES[name]} record, which needs "
+                      f"{' and '.join(repr(fieldname(k)) for k in keys)})", field=fieldname(missing))
     if fmt is None:
       raise DataError(f"unknown record format: keys {sorted(raw)}; expected one of "
                       "messages, conversations, instruction+output, prompt+completion (or pass field_map)")
-  fieldname = lambda key: fm.get(key, key)
 
   def text(d, key, *, optional=False, where=""):
     value = get(d, key)

@@ -21,8 +21,8 @@ processes build the same store, the first rename wins and the other reads that o
 the manifest, every file's size and CRC-32; a store that fails (a build killed before its manifest,
 a truncated or altered file) is reported in one line, moved aside, deleted and rebuilt, never read.
 
-Examples are identical to `tokenize_example`'s (both come from `tokenize.encode_batches`), and
-peak memory while building does not grow with the file: records stream in, `encode_batches`
+Examples are identical to `tokenize_example`'s (both come from `tokenize.encode_rendered`), and
+peak memory while building does not grow with the file: records stream in, `encode_rendered`
 holds three batches, arrays are appended to files; only the per-record int64 arrays (24 bytes a
 record) stay in memory.
 """
@@ -45,16 +45,19 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxsft.data.records import SkipReport, iter_records
-from jaxsft.data.tokenize import (PLAIN_CHAT_TEMPLATE, TokenizedRecords, _backend, _bos_prefix, encode_batches)
+from jaxsft.data.records import SkipReport
+from jaxsft.data.tokenize import (PLAIN_CHAT_TEMPLATE, TokenizedRecords, _backend, _bos_prefix, encode_rendered,
+                                  iter_rendered)
 from jaxsft.labels import IGNORE_INDEX
 from jaxsft.models.hub import jaxsft_cache
 
 logger = logging.getLogger("jaxsft.data")
 
 # Part of every store's key: a change in how labels are derived (2: reply spans located in the
-# full render, so templates that render the last turn differently label as they render) builds new stores.
-STORE_VERSION = 2
+# full render, so templates that render the last turn differently label as they render) or in which
+# records are kept (3: a UTF-8 byte-order mark no longer costs the first record under on_error=skip)
+# builds new stores.
+STORE_VERSION = 3
 _ARRAYS = ("offsets", "full_lengths", "first_trained", "record_offsets")
 _BLOBS = ("tokens.bin", "trained.bin", "records.bin")
 _CRC_CHUNK = 1 << 24
@@ -126,8 +129,8 @@ def build_store(folder: str | os.PathLike, path, tokenizer, *, max_length: int, 
                 fmt: str = "auto", field_map: dict | None = None, on_error: str = "raise",
                 batch_size: int = 512, key_parts: dict | None = None) -> dict:
   """Tokenizes the data file `path` into the (new, empty) `folder`; returns the manifest it wrote
-  last. Raises `DataError` for bad records (as `load_records` does) and ValueError for records the
-  template cannot render."""
+  last. Raises `DataError` for bad records (as `load_records` does); a record the chat template
+  cannot label is one of them, rendered as it is read, so `on_error="skip"` skips and counts it."""
   folder = pathlib.Path(folder)
   t0 = time.perf_counter()
   vocab = _backend(tokenizer).get_vocab_size(with_added_tokens=True)
@@ -138,14 +141,14 @@ def build_store(folder: str | os.PathLike, path, tokenizer, *, max_length: int, 
   lengths, full_lengths, first_trained = [], [], []
 
   def records_written():
-    for record in iter_records(path, fmt=fmt, field_map=field_map, on_error=on_error, report=report):
-      texts.write(json.dumps(record, ensure_ascii=False).encode())
+    for item in iter_rendered(tokenizer, path, train_on=train_on, fmt=fmt, field_map=field_map, on_error=on_error,
+                              report=report):
+      texts.write(json.dumps(item[0], ensure_ascii=False).encode())
       record_ends.append(texts.bytes)
-      yield record
+      yield item
 
   try:
-    for batch in encode_batches(tokenizer, records_written(), max_length=max_length, train_on=train_on,
-                                batch_size=batch_size):
+    for batch in encode_rendered(tokenizer, records_written(), max_length=max_length, batch_size=batch_size):
       tokens.write(batch.token_ids.astype(token_dtype, copy=False))
       trained.write(batch.trained.view(np.uint8))
       lengths.append(batch.lengths)

@@ -53,6 +53,13 @@ Two encoders: `tokenize_example` (one record, the reference) and `tokenize_recor
 the pipeline's entry points so that they encode nothing again. `encode_batches` is also what the
 token store (store.py) writes, so both give exactly `tokenize_example`'s examples.
 
+A record the template cannot label (its reply cannot be located, or the template's
+`raise_exception` rejects it) is bad data: `tokenize_records` raises `DataError` naming where the
+record was read (a `records.Record`), else its index. `tokenize_file` and the token store render
+each record as it is loaded, so such a record is raised or skipped (`on_error="skip"`) and reported
+like the loader's own bad records. (A reply whose characters map to no token shows only once its
+batch is encoded: it is raised, named the same way, under either policy.)
+
 Fast path (`SpanRenderer`, used by `encode_batches`): the rule above costs three or four template
 renders per assistant turn (`render_with_spans`, the reference). Instead, each conversation
 *shape* (the roles, and which contents are empty) is rendered once with unique sentinel strings in
@@ -83,6 +90,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from jaxsft.data.records import DataError, SkipReport, iter_records
 from jaxsft.labels import IGNORE_INDEX
 
 PLAIN_CHAT_TEMPLATE = (
@@ -97,9 +105,30 @@ TRAIN_ON = ("all_assistant", "last")
 
 
 def _render(tokenizer, messages, *, generation_prompt=False) -> str:
-  return tokenizer.apply_chat_template(
-      messages, tokenize=False, add_generation_prompt=generation_prompt,
-      chat_template=None if getattr(tokenizer, "chat_template", None) else PLAIN_CHAT_TEMPLATE)
+  try:
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation_prompt,
+        chat_template=None if getattr(tokenizer, "chat_template", None) else PLAIN_CHAT_TEMPLATE)
+  except Exception as e:
+    if _template_rejects(e):
+      raise ValueError(f"the chat template rejects the conversation: {e}") from None
+    raise
+
+
+def _template_rejects(e: Exception) -> bool:
+  """A template's `raise_exception` (a conversation it refuses, e.g. roles that do not alternate),
+  not a template that does not compile."""
+  import jinja2
+
+  return isinstance(e, jinja2.TemplateError) and not isinstance(e, jinja2.TemplateSyntaxError)
+
+
+def _record_error(e: ValueError, record, index: int | None = None) -> DataError:
+  """A record's tokenization failure as a `DataError` naming where the record was read (a
+  `records.Record`), else `record {index}`."""
+  where = getattr(record, "where", None) or (None if index is None else f"record {index}")
+  return DataError(getattr(e, "reason", str(e)), path=getattr(record, "path", None), where=where,
+                   field=getattr(e, "field", None))
 
 
 def _bos_prefix(tokenizer) -> str:
@@ -391,7 +420,10 @@ class SpanRenderer:
     if plan is False:
       plan = self.plans[shape] = self._plan(shape)
     if plan is not None:
-      full = plan.render(messages)
+      try:
+        full = plan.render(messages)
+      except Exception:  # the template rejects this record: the reference path raises it as a ValueError
+        full = None
       contents = [messages[i]["content"] for i in plan.content_order]
       pieces = [plan.skeleton[0]]
       for content, piece in zip(contents, plan.skeleton[1:]):
@@ -571,43 +603,57 @@ class EncodedBatch:
     return out
 
 
+Rendered = tuple[dict, str, list[tuple[int, int]]]  # (record, text, spans) as `SpanRenderer` gives them
+
+
 def encode_batches(tokenizer, records: Iterable[dict], *, max_length: int, train_on: str = "all_assistant",
                    batch_size: int = 512, first_index: int = 0) -> Iterator[EncodedBatch]:
   """`tokenize_example` over a stream of records, `batch_size` at a time, as `EncodedBatch`es.
 
   The Rust tokenizer's `encode_batch` runs on a thread (it releases the GIL and uses its own
   threads where `TOKENIZERS_PARALLELISM` allows) while this thread renders the next batch and
-  computes the labels of the previous one; at most three batches are held at once.
+  computes the labels of the previous one; at most three batches are held at once. A record the
+  template cannot label raises `DataError` (see the module docstring); `first_index` is the index
+  of the first record, for records that do not know where they were read.
   """
-  backend = _backend(tokenizer)
   renderer = SpanRenderer(tokenizer, train_on=train_on)
+
+  def rendered():
+    for index, record in enumerate(records, first_index):
+      try:
+        text, spans = renderer(record)
+      except ValueError as e:
+        raise _record_error(e, record, index) from None
+      yield record, text, spans
+
+  yield from encode_rendered(tokenizer, rendered(), max_length=max_length, batch_size=batch_size,
+                             first_index=first_index)
+
+
+def encode_rendered(tokenizer, rendered: Iterable[Rendered], *, max_length: int, batch_size: int = 512,
+                    first_index: int = 0) -> Iterator[EncodedBatch]:
+  """`encode_batches` of records already rendered: `(record, text, spans)` items, from
+  `iter_rendered` (the record only names a failure to label it)."""
+  backend = _backend(tokenizer)
   contiguous = _contiguous_offsets(backend)
-  index = first_index
 
   def rendered_batches():
-    nonlocal index
-    texts, spans = [], []
-    for record in records:
-      try:
-        text, span = renderer(record)
-      except ValueError as e:
-        raise ValueError(f"record {index}: {e}") from None
-      index += 1
-      texts.append(text)
-      spans.append(span)
-      if len(texts) == batch_size:
-        yield texts, spans
-        texts, spans = [], []
-    if texts:
-      yield texts, spans
+    batch = []
+    for item in rendered:
+      batch.append(item)
+      if len(batch) == batch_size:
+        yield batch
+        batch = []
+    if batch:
+      yield batch
 
-  encode = lambda texts: backend.encode_batch(texts, add_special_tokens=False)
+  encode = lambda batch: backend.encode_batch([text for _, text, _ in batch], add_special_tokens=False)
   with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-    pending = None  # (future of encodings, spans, index of its first record)
+    pending = None  # (future of encodings, the batch, index of its first record)
     start = first_index
-    for texts, spans in rendered_batches():
-      submitted = (pool.submit(encode, texts), spans, start)
-      start += len(texts)
+    for batch in rendered_batches():
+      submitted = (pool.submit(encode, batch), batch, start)
+      start += len(batch)
       if pending is not None:
         yield _labels_batch(pending[0].result(), pending[1], pending[2], max_length, contiguous)
       pending = submitted
@@ -615,18 +661,34 @@ def encode_batches(tokenizer, records: Iterable[dict], *, max_length: int, train
       yield _labels_batch(pending[0].result(), pending[1], pending[2], max_length, contiguous)
 
 
-def _labels_batch(encodings, spans_of, first_index: int, max_length: int, contiguous: bool) -> EncodedBatch:
+def iter_rendered(tokenizer, path, *, train_on: str = "all_assistant", **load) -> Iterator[Rendered]:
+  """`records.iter_records(path, **load)` with each record rendered (`SpanRenderer`) as it is read,
+  as `(record, text, spans)`: a record the chat template cannot label is a bad record like the
+  loader's own, raised as `DataError` naming its file and line, or skipped and reported."""
+  renderer = SpanRenderer(tokenizer, train_on=train_on)
+  out = None
+
+  def check(record):
+    nonlocal out
+    out = renderer(record)
+
+  for record in iter_records(path, check=check, **load):
+    yield record, *out
+
+
+def _labels_batch(encodings, batch: list[Rendered], first_index: int, max_length: int,
+                  contiguous: bool) -> EncodedBatch:
   n = len(encodings)
   lengths, full_lengths = np.zeros(n, np.int64), np.zeros(n, np.int64)
   first_trained = np.full(n, -1, np.int64)
   ids_out = array.array("i")
   runs_out = []  # (flat offset, a, b) trained token ranges of kept examples
-  for j, (enc, spans) in enumerate(zip(encodings, spans_of)):
+  for j, (enc, (record, _, spans)) in enumerate(zip(encodings, batch)):
     ids = enc.ids
     full = full_lengths[j] = len(ids)
     runs = _trained_runs(enc, spans, full) if contiguous else None
     if runs is None:
-      labels = _labels_or_raise(ids, enc.offsets, spans, first_index + j)
+      labels = _labels_or_raise(ids, enc.offsets, spans, record, first_index + j)
       trained = np.flatnonzero(labels != IGNORE_INDEX)
       runs = _runs_of(trained)
     keep = min(full, max_length)
@@ -644,12 +706,12 @@ def _labels_batch(encodings, spans_of, first_index: int, max_length: int, contig
   return EncodedBatch(token_ids, trained, lengths, full_lengths, first_trained)
 
 
-def _labels_or_raise(ids, offsets, spans, index: int) -> np.ndarray:
+def _labels_or_raise(ids, offsets, spans, record, index: int) -> np.ndarray:
   try:
     return _labels_from_offsets(np.asarray(ids, dtype=np.int32), np.asarray(offsets, dtype=np.int64).reshape(-1, 2),
                                 spans)
   except ValueError as e:
-    raise ValueError(f"record {index}: {e}") from None
+    raise _record_error(e, record, index) from None
 
 
 def _runs_of(positions: np.ndarray) -> list[tuple[int, int]]:
@@ -671,9 +733,36 @@ def tokenize_records(tokenizer, records: Sequence[dict], *, max_length: int, tra
     A `TokenizedRecords` (the examples and their lengths before truncation), to pass to
     `make_batches`, `batch_shapes` and `count_batches` so that none of them tokenizes again.
   """
+  batches = encode_batches(tokenizer, records, max_length=max_length, train_on=train_on, batch_size=batch_size)
+  return _collect(batches, max_length, train_on)
+
+
+def tokenize_file(tokenizer, path, *, max_length: int, train_on: str = "all_assistant", fmt: str = "auto",
+                  field_map: dict | None = None, on_error: str = "raise", report: SkipReport | None = None,
+                  batch_size: int = 512) -> tuple[list[dict], TokenizedRecords]:
+  """`load_records` then `tokenize_records` in one pass, each record rendered once.
+
+  A record the chat template cannot label is one more bad record for the loader: it raises
+  `DataError` naming the file and line, or with `on_error="skip"` is left out and counted in
+  `report` (so the records returned all tokenize).
+  """
+  records = []
+
+  def kept():
+    for item in iter_rendered(tokenizer, path, train_on=train_on, fmt=fmt, field_map=field_map, on_error=on_error,
+                              report=report):
+      records.append(item[0])
+      yield item
+
+  tokenized = _collect(encode_rendered(tokenizer, kept(), max_length=max_length, batch_size=batch_size), max_length,
+                       train_on)
+  return records, tokenized
+
+
+def _collect(batches: Iterable[EncodedBatch], max_length: int, train_on: str) -> TokenizedRecords:
   examples: list[dict | None] = []
   full_lengths = []
-  for batch in encode_batches(tokenizer, records, max_length=max_length, train_on=train_on, batch_size=batch_size):
+  for batch in batches:
     examples += batch.examples()
     full_lengths.append(batch.full_lengths)
   full = np.concatenate(full_lengths) if full_lengths else np.zeros(0, np.int64)
