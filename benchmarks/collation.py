@@ -30,8 +30,8 @@ compile_seconds and step_seconds are measured at B = batch size and T on a grid 
 max_length; a fresh AOT compile each, the median of `--reps` steps), and interpolated linearly in T
 between grid points (a step's cost depends only on its shape, not on the token values). Packed rows
 (segment ids) are measured separately at (B, max_length). A mode compiles what jaxsft's trainer
-compiles before step 1, every shape `batch_shapes` lists, except dynamic, which is charged only for
-the widths that occur (listing every multiple of 8 up to max_length would be absurd).
+compiles before step 1: every shape `batch_shapes` lists (for dynamic, every width the data's
+lengths round to, since any batch may end at one).
 `--validate DATASET:MODE ...` runs modes for real as the trainer would (fresh compiles, then every
 batch) and puts the measured time beside the composed one. Steady-state tokens/s = tokens / sum of step seconds
 (compiles excluded); "real" counts attention_mask tokens, "trained" counts labels != -100.
@@ -311,9 +311,9 @@ def markdown(result: dict, command: str) -> str:
       f"`CompiledSteps`: LoRA r 8 on q/v, clip + AdamW) on {result['model_description']}, {result['dtype']}, "
       f"{result['machine']['backend']}.", "",
       "Columns: *shapes* = distinct (B, T) the epoch emits, and in brackets the shapes `batch_shapes` lists "
-      "(jaxsft's trainer compiles every listed shape before step 1; for dynamic that would be every multiple of 8 up "
-      "to max_length, so dynamic is charged only for the widths that occur); *compiles* = the shapes compiled + 2 "
-      "(the accumulator's zeros and the optimizer update); *waste* = "
+      "(jaxsft's trainer compiles every listed shape before step 1; for dynamic, every width the data's lengths "
+      "round to, since any batch may end at one); *compiles* = the listed shapes compiled, plus the run's one-off "
+      "compiles (see Per-shape costs); *waste* = "
       "padding tokens / padded tokens (B x T summed, fill rows included); *tok/s* = real (attention-mask) and "
       "trained (label) tokens per second of step time, compiles excluded; *end to end* = pipeline + compiles "
       "+ steps for the epoch, composed from the per-shape costs below (see `benchmarks/collation.py`).", "",
