@@ -129,10 +129,10 @@ def read_prompts(path: str) -> list[tuple[dict, list[dict]]]:
   reply is prompted with the turns before its final reply.
   """
   from jaxsft.data import DataError, normalize_record
-  from jaxsft.data.records import _read_raw
+  from jaxsft.data.records import iter_raw
 
   out = []
-  for where, raw in _read_raw(path, None):
+  for where, raw in iter_raw(path):
     completed = raw
     if isinstance(raw, dict):
       for turns, role_key, assistant in (("messages", "role", "assistant"), ("conversations", "from", "gpt")):

@@ -168,6 +168,17 @@ def iter_records(path: str | os.PathLike, fmt: str = "auto", field_map: dict[str
     raise DataError(f"every record was invalid:\n{report.summary()}", path=path)
 
 
+def iter_raw(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
+  """`(where, raw)` for each record of a data file as read, before `normalize_record`; a line that
+  is not UTF-8 or not JSON raises `DataError` naming it (for readers with their own record rules,
+  like the chat CLI's prompts)."""
+  path = os.fspath(path)
+  for where, raw in _read_raw(path):
+    if isinstance(raw, _BadLine):
+      raise DataError(raw.reason, path=path, where=where)
+    yield where, raw
+
+
 @dataclasses.dataclass(frozen=True)
 class _BadLine:
   """A JSONL line that cannot be a record (not UTF-8, not JSON): `iter_records` raises or skips it."""
