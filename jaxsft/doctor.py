@@ -260,35 +260,14 @@ def diagnose(train_steps: Sequence[float], train_loss: Sequence[float], *,
     return _make("diverging", f"the loss ended {-rel_drop:.0%} above where it started "
                  f"({first:.4g} -> {last:.4g})", evidence)
 
-  # Near zero within the first epoch (the first half of the run when the epoch is unknown).
-  if steps_per_epoch:
-    early_end = steps[0] + steps_per_epoch - 1
-    evidence["steps_per_epoch"] = int(steps_per_epoch)
-  else:
-    early_end = steps[0] + 0.5 * (steps[-1] - steps[0])
-  below = np.flatnonzero(s < NEAR_ZERO)
-  if below.size and first > 2 * NEAR_ZERO:
-    evidence["near_zero_step"] = int(steps[below[0]])
-    # Memorizing (or too high a rate) leaves the held-out loss behind; when it fell to its best
-    # at the end as well, the task is simply learned (replies a program could write).
-    confirmed = _validation_keeps_falling(val_steps, val_loss)
-    evidence["near_zero_confirmed_by_validation"] = confirmed
-    if steps[below[0]] <= early_end and not confirmed:
-      when = "the first epoch" if steps_per_epoch else "the first half of the run"
-      return _make("near_zero_early", f"the loss fell to ~0 (< {NEAR_ZERO}) by step "
-                   f"{int(steps[below[0]])}, within {when}", evidence)
+  near_zero = _near_zero_early(steps, s, first, steps_per_epoch, val_steps, val_loss, evidence)
+  if near_zero is not None:
+    return near_zero
 
   overfit = _validation_overfit(steps, s, val_steps, val_loss, evidence)
-  # Worse on both sides: held-out loss ends above its first value (the base model's, logged
-  # before step 1) and the training loss ends above its very first step. Overfitting needs the
-  # training loss to have improved; an early blow-up that the start median absorbed does not.
-  if "val_first" in evidence:
-    val_rise = (evidence["val_last"] - evidence["val_first"]) / max(abs(evidence["val_first"]), 1e-12)
-    if val_rise >= DIVERGE_REL_RISE and last > (1 + DIVERGE_REL_RISE) * float(loss[0]):
-      evidence.update(val_rise_from_first=val_rise, first_train_loss=float(loss[0]))
-      return _make("diverging", f"training made the model worse: validation {evidence['val_first']:.4g} -> "
-                   f"{evidence['val_last']:.4g}, training loss {float(loss[0]):.4g} at the first step -> "
-                   f"{last:.4g} at the end", evidence)
+  worse = _made_worse(loss, last, evidence)
+  if worse is not None:
+    return worse
   if overfit:
     return _make("overfitting", overfit, evidence)
   fall = first - float(s[i_min])
@@ -324,6 +303,45 @@ def diagnose(train_steps: Sequence[float], train_loss: Sequence[float], *,
     return _make("healthy", summary + " and leveled off", evidence)
   return _make("healthy", summary + " and was still falling at the end", evidence,
                fix="nothing to fix; it was still improving: more steps may help")
+
+
+def _near_zero_early(steps: np.ndarray, s: np.ndarray, first: float, steps_per_epoch: int | None,
+                     val_steps, val_loss, evidence: dict[str, Any]) -> Diagnosis | None:
+  """"near_zero_early" when the smoothed loss fell below NEAR_ZERO within the first epoch (the
+  first half of the run when the epoch is unknown) and validation does not confirm it."""
+  if steps_per_epoch:
+    early_end = steps[0] + steps_per_epoch - 1
+    evidence["steps_per_epoch"] = int(steps_per_epoch)
+  else:
+    early_end = steps[0] + 0.5 * (steps[-1] - steps[0])
+  below = np.flatnonzero(s < NEAR_ZERO)
+  if not (below.size and first > 2 * NEAR_ZERO):
+    return None
+  evidence["near_zero_step"] = int(steps[below[0]])
+  # Memorizing (or too high a rate) leaves the held-out loss behind; when it fell to its best
+  # at the end as well, the task is simply learned (replies a program could write).
+  confirmed = _validation_keeps_falling(val_steps, val_loss)
+  evidence["near_zero_confirmed_by_validation"] = confirmed
+  if not (steps[below[0]] <= early_end and not confirmed):
+    return None
+  when = "the first epoch" if steps_per_epoch else "the first half of the run"
+  return _make("near_zero_early", f"the loss fell to ~0 (< {NEAR_ZERO}) by step "
+               f"{int(steps[below[0]])}, within {when}", evidence)
+
+
+def _made_worse(loss: np.ndarray, last: float, evidence: dict[str, Any]) -> Diagnosis | None:
+  """"diverging" when worse on both sides: the held-out loss ends above its first value (the base
+  model's, logged before step 1) and the training loss above its very first step. Overfitting needs
+  the training loss to have improved; an early blow-up that the start median absorbed does not."""
+  if "val_first" not in evidence:
+    return None
+  val_rise = (evidence["val_last"] - evidence["val_first"]) / max(abs(evidence["val_first"]), 1e-12)
+  if not (val_rise >= DIVERGE_REL_RISE and last > (1 + DIVERGE_REL_RISE) * float(loss[0])):
+    return None
+  evidence.update(val_rise_from_first=val_rise, first_train_loss=float(loss[0]))
+  return _make("diverging", f"training made the model worse: validation {evidence['val_first']:.4g} -> "
+               f"{evidence['val_last']:.4g}, training loss {float(loss[0]):.4g} at the first step -> "
+               f"{last:.4g} at the end", evidence)
 
 
 def _without_trend(loss: np.ndarray, first: float, last: float, noise_rel: float,
