@@ -42,6 +42,21 @@ def cpu_name() -> str:
   return platform.processor() or platform.machine()
 
 
+def cpu_vector_isa(cpuinfo: str | None = None) -> str | None:
+  """The widest x86 vector extension the CPU reports ("AVX-512", "AVX2", ...; from `cpuinfo`,
+  default /proc/cpuinfo), or None off Linux x86: the same model name can come with different
+  kernels (XLA's and MKL's float32 and bfloat16 matmuls differ between AVX2 and AVX-512), so a
+  figure names it."""
+  try:
+    cpuinfo = pathlib.Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
+  except OSError:
+    return None
+  flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+  names = [("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"), ("sse4_2", "SSE4.2")]
+  isa = next((name for flag, name in names if flag in flags), None)
+  return f"{isa} + AMX" if isa and "amx_tile" in flags else isa
+
+
 # Environment variables that change step times (compiler flags, the allocator, thread counts): a
 # figure measured under any of them says so in its machine line. GLIBC_TUNABLES, for one, decides
 # whether a step's large buffers are mapped and page-faulted afresh every step.
@@ -59,7 +74,7 @@ def machine_info() -> dict[str, Any]:
   the environment that changes timing."""
   import jax
 
-  info = {"cpu": cpu_name(), "cpus": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()],
+  info = {"cpu": cpu_name(), "vector_isa": cpu_vector_isa(), "cpus": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()],
           "python": platform.python_version(), "jax": jax.__version__, "backend": jax.default_backend(),
           "device": str(jax.devices()[0].device_kind), "device_count": jax.device_count(),
           "environment": timing_environment()}
@@ -75,7 +90,8 @@ def machine_info() -> dict[str, Any]:
 def machine_line(info: dict) -> str:
   device = "" if info["backend"] == "cpu" else f", {info['device_count']}× {info['device']} ({info['backend']})"
   environment = "".join(f"; {name}={value}" for name, value in info.get("environment", {}).items())
-  return (f"{info['cpu']}, {info['cpus']} cores{device}; JAX {info['jax']}; 1/5/15-minute load average at start "
+  isa = f" ({info['vector_isa']})" if info.get("vector_isa") else ""
+  return (f"{info['cpu']}{isa}, {info['cpus']} cores{device}; JAX {info['jax']}; 1/5/15-minute load average at start "
           f"{'/'.join(f'{x:.1f}' for x in info['load_average'])}{environment}")
 
 

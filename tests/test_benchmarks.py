@@ -182,3 +182,11 @@ def test_machine_line_names_the_environment_that_changes_timing(monkeypatch):
   info = common.machine_info()
   assert info["environment"] == {"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0"}
   assert common.machine_line(info).endswith("; GLIBC_TUNABLES=glibc.malloc.mmap_max=0")
+
+
+def test_cpu_vector_isa_names_the_widest_extension():
+  assert common.cpu_vector_isa("flags\t\t: fpu sse4_2 avx avx2 fma\n") == "AVX2"
+  assert common.cpu_vector_isa("model name : X\nflags : avx2 avx512f avx512bw amx_tile\n") == "AVX-512 + AMX"
+  assert common.cpu_vector_isa("processor : 0\n") is None  # no flags line (not x86 Linux)
+  info = {**common.machine_info(), "cpu": "AMD EPYC", "vector_isa": "AVX2"}
+  assert common.machine_line(info).startswith("AMD EPYC (AVX2), ")
