@@ -334,7 +334,7 @@ def test_bfloat16_computes_in_bf16_with_float32_lora_loss_and_optimizer_state(re
   assert {str(x.dtype) for x in jax.tree.leaves(split["bfloat16"][2]) if jnp_floating(x)} == {"bfloat16"}
   assert {str(x.dtype) for x in jax.tree.leaves(split["bfloat16"][1])} == {"float32"}
   # bf16 keeps 8 bits of mantissa (2^-9 ≈ 0.2% per rounding); over 30 layers the mean held-out
-  # loss moved 0.41% on an AVX2-only AMD EPYC (3.2655 -> 3.2521), under 0.01 on an AVX-512 Intel Xeon
+  # loss moved 0.41% on an AVX2-only AMD EPYC (3.2655 -> 3.2521), under 0.01 on the Intel Xeon of the benchmarks
   assert abs(val_loss["bfloat16"] - val_loss["float32"]) <= 0.01 * val_loss["float32"], val_loss
   assert val_loss["float32"] < 5  # the real weights (a random model is at ln(49152) = 10.8)
 
