@@ -32,25 +32,29 @@ REAL_MODEL = "smollm2-135m-instruct"
 
 
 # --------------------------------------------------------------------------- machine
-def cpu_name() -> str:
+def read_cpuinfo() -> str:
+  """/proc/cpuinfo's text ("" where there is none: not Linux)."""
   try:
-    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith("model name"):
-        return line.split(":", 1)[1].strip()
+    return pathlib.Path("/proc/cpuinfo").read_text()
   except OSError:
-    pass
+    return ""
+
+
+def cpu_name(cpuinfo: str | None = None) -> str:
+  """The CPU's model name, from `cpuinfo` (default: `read_cpuinfo()`)."""
+  cpuinfo = read_cpuinfo() if cpuinfo is None else cpuinfo
+  for line in cpuinfo.splitlines():
+    if line.startswith("model name"):
+      return line.split(":", 1)[1].strip()
   return platform.processor() or platform.machine()
 
 
 def cpu_vector_isa(cpuinfo: str | None = None) -> str | None:
   """The widest x86 vector extension the CPU reports ("AVX-512", "AVX2", ...; from `cpuinfo`,
-  default /proc/cpuinfo), or None off Linux x86: the same model name can come with different
+  default `read_cpuinfo()`), or None off Linux x86: the same model name can come with different
   kernels (XLA's and MKL's float32 and bfloat16 matmuls differ between AVX2 and AVX-512), so a
   figure names it."""
-  try:
-    cpuinfo = pathlib.Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
-  except OSError:
-    return None
+  cpuinfo = read_cpuinfo() if cpuinfo is None else cpuinfo
   flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
   names = [("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"), ("sse4_2", "SSE4.2")]
   isa = next((name for flag, name in names if flag in flags), None)
@@ -74,7 +78,8 @@ def machine_info() -> dict[str, Any]:
   the environment that changes timing."""
   import jax
 
-  info = {"cpu": cpu_name(), "vector_isa": cpu_vector_isa(), "cpus": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()],
+  cpuinfo = read_cpuinfo()
+  info = {"cpu": cpu_name(cpuinfo), "vector_isa": cpu_vector_isa(cpuinfo), "cpus": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()],
           "python": platform.python_version(), "jax": jax.__version__, "backend": jax.default_backend(),
           "device": str(jax.devices()[0].device_kind), "device_count": jax.device_count(),
           "environment": timing_environment()}

@@ -188,5 +188,6 @@ def test_cpu_vector_isa_names_the_widest_extension():
   assert common.cpu_vector_isa("flags\t\t: fpu sse4_2 avx avx2 fma\n") == "AVX2"
   assert common.cpu_vector_isa("model name : X\nflags : avx2 avx512f avx512bw amx_tile\n") == "AVX-512 + AMX"
   assert common.cpu_vector_isa("processor : 0\n") is None  # no flags line (not x86 Linux)
+  assert common.cpu_name("model name\t: AMD EPYC\nflags : avx2\n") == "AMD EPYC"  # the same text serves both
   info = {**common.machine_info(), "cpu": "AMD EPYC", "vector_isa": "AVX2"}
   assert common.machine_line(info).startswith("AMD EPYC (AVX2), ")
