@@ -1,13 +1,21 @@
-"""Shared fixtures. The real tokenizer and data are loaded once per session."""
+"""Shared fixtures. Every cost is paid once per session: the real tokenizer and data, the real
+SmolLM2-135M-Instruct on the jaxsft side (the torch side is in torch_parity/conftest.py), a tiny
+random model folder, a small synthetic data file, and XLA compiles (a persistent cache)."""
 
+import contextlib
+import dataclasses
+import io
+import logging
 import os
 import pathlib
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no network at test time
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# One persistent XLA cache for the session's training subprocesses: runs with the same model and
-# shapes (resume tests, repeated CLI runs) compile once. Results are unchanged; compile events
-# are still counted.
+# One persistent XLA cache for the session, in this process and in its subprocesses: runs with the
+# same model and shapes (resume tests, repeated CLI runs) compile once. Results are unchanged. A
+# cache hit emits no compile event, so tests that count compiles opt out (`no_compile_cache`,
+# `NO_COMPILE_CACHE_ENV`).
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   import tempfile
 
@@ -17,6 +25,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
+
+# For a subprocess whose compiles are counted: XLA's compile events are skipped on a cache hit.
+NO_COMPILE_CACHE_ENV = {"JAX_ENABLE_COMPILATION_CACHE": "false"}
 
 
 @pytest.fixture(scope="session")
@@ -32,3 +43,82 @@ def tokenizer():
   from jaxsft.models.hub import load_tokenizer
 
   return load_tokenizer("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2_jax():
+  """The real SmolLM2-135M-Instruct in float32, loaded once. Shared: a test that changes it
+  (LoRA, loading an adapter) works on `nnx.clone(smollm2_jax)`."""
+  from jaxsft.models import load_causal_lm
+
+  return load_causal_lm("smollm2-135m-instruct", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, tokenizer):
+  """A tiny random Llama as a Hugging Face folder (tests/tiny_model.py), written once."""
+  from tiny_model import make_tiny_model_dir
+
+  return make_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model", tokenizer)
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory):
+  """160 synthetic task records as JSONL, written once."""
+  from jaxsft.data import synthetic
+
+  return synthetic.write_jsonl(synthetic.make_dataset(160, seed=1), tmp_path_factory.mktemp("data") / "tasks.jsonl")
+
+
+@pytest.fixture
+def no_compile_cache():
+  """This test's compiles all reach XLA (and emit their compile events): the persistent cache
+  is off while it runs."""
+  import jax
+
+  before = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", before)
+
+
+@dataclasses.dataclass
+class CliResult:
+  returncode: int
+  stdout: str
+  stderr: str
+
+
+@pytest.fixture
+def run_cli(monkeypatch):
+  """`run_cli(main, argv, stdin=None)`: a CLI's `main(argv)` called in this process, as
+  `python -m` would run it, with its exit code (SystemExit included: argparse's errors) and what
+  it wrote to stdout and stderr. Saves a subprocess's interpreter start, imports and model load
+  where the subprocess itself proves nothing."""
+
+  def run(main, argv, *, stdin: str | None = None) -> CliResult:
+    out, err = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin or ""))
+    # The trainer's log handler writes to the sys.stderr of its first call: give each call its own.
+    jaxsft_logger = logging.getLogger("jaxsft")
+    saved = jaxsft_logger.handlers[:], jaxsft_logger.level, jaxsft_logger.propagate
+    jaxsft_logger.handlers = []
+    # The CLIs set environment variables for their process (quiet.py); later tests must not see them.
+    environ = dict(os.environ)
+    try:
+      with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+          code = main([str(a) for a in argv])
+        except SystemExit as e:
+          code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+          if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+    finally:
+      jaxsft_logger.handlers, jaxsft_logger.level, jaxsft_logger.propagate = saved
+      os.environ.clear()
+      os.environ.update(environ)
+    return CliResult(code, out.getvalue(), err.getvalue())
+
+  return run

@@ -2,8 +2,6 @@
 reader and the CLI."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -246,32 +244,27 @@ def test_bad_metrics_line_names_file_and_line(tmp_path, line, message):
   assert f"{path}:3" in str(info.value)
 
 
-def _cli(*args):
-  return subprocess.run([sys.executable, "-m", "jaxsft.doctor", *map(str, args)],
-                        capture_output=True, text=True, timeout=120)
-
-
-def test_cli_prints_the_diagnosis(tmp_path):
+def test_cli_prints_the_diagnosis(tmp_path, run_cli):
   steps, loss, kwargs = overfitting_validation_rises(np.random.default_rng(0))
   run = _write_run(tmp_path / "run", steps, loss, val=dict(zip(kwargs["val_steps"].tolist(),
                                                                kwargs["val_loss"].tolist())))
-  result = _cli(run)
+  result = run_cli(doctor.main, [run])
   assert result.returncode == 0, result.stderr
   out = result.stdout
   assert "loss curve: overfitting" in out and "val_rise_rel" in out
   assert "likely cause:" in out and "early stopping" in out
-  as_json = json.loads(_cli(run, "--json").stdout)
+  as_json = json.loads(run_cli(doctor.main, [run, "--json"]).stdout)
   assert as_json["pattern"] == "overfitting" and as_json["evidence"]["val_points"] == 15
 
 
-def test_cli_missing_or_empty_metrics_exit_2(tmp_path):
-  result = _cli(tmp_path / "nope")
+def test_cli_missing_or_empty_metrics_exit_2(tmp_path, run_cli):
+  result = run_cli(doctor.main, [tmp_path / "nope"])
   assert result.returncode == 2 and "no metrics file" in result.stderr and "nope" in result.stderr
   (tmp_path / "metrics.jsonl").write_text('{"event": "config", "steps_per_epoch": 5}\n')
-  result = _cli(tmp_path)
+  result = run_cli(doctor.main, [tmp_path])
   assert result.returncode == 2 and "no training loss lines" in result.stderr
   (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": \n')
-  result = _cli(tmp_path)
+  result = run_cli(doctor.main, [tmp_path])
   assert result.returncode == 2 and "metrics.jsonl:2" in result.stderr
 
 
