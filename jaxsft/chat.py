@@ -185,10 +185,11 @@ def _with_system(messages: list[dict], system: str | None) -> list[dict]:
   return [{"role": "system", "content": system}, *messages]
 
 
-def reply(model, tokenizer, messages, args, sampling, out=sys.stdout) -> str:
-  """Streams the reply to `out` as it is generated; returns its text."""
+def reply(model, tokenizer, messages, args, sampling, out=None) -> str:
+  """Streams the reply to `out` (sys.stdout as it is at the call) as it is generated; returns its text."""
   from jaxsft.generate import stream
 
+  out = sys.stdout if out is None else out
   pieces = []
   for piece in stream(model, tokenizer, messages, max_new_tokens=args.max_new_tokens, sampling=sampling,
                       seed=args.seed + len(messages)):
@@ -200,9 +201,10 @@ def reply(model, tokenizer, messages, args, sampling, out=sys.stdout) -> str:
   return "".join(pieces)
 
 
-def interactive(model, tokenizer, args, sampling, stdin=sys.stdin, out=sys.stdout) -> int:
+def interactive(model, tokenizer, args, sampling, stdin=None, out=None) -> int:
   from jaxsft.generate import PromptTooLong
 
+  stdin, out = sys.stdin if stdin is None else stdin, sys.stdout if out is None else out
   tty = stdin.isatty()
   if tty:
     print("jaxsft chat: type a message; /reset starts over, /exit quits.", file=sys.stderr)

@@ -73,15 +73,19 @@ def small_data(tmp_path_factory):
 @pytest.fixture
 def no_compile_cache():
   """This test's compiles all reach XLA (and emit their compile events): the persistent cache
-  is off while it runs."""
+  is off while it runs. JAX decides once per process whether the cache is in use, so the decision
+  is reset on the way in and out."""
   import jax
+  from jax.experimental.compilation_cache import compilation_cache
 
   before = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()
   try:
     yield
   finally:
     jax.config.update("jax_enable_compilation_cache", before)
+    compilation_cache.reset_cache()
 
 
 @dataclasses.dataclass
@@ -122,3 +126,11 @@ def run_cli(monkeypatch):
     return CliResult(code, out.getvalue(), err.getvalue())
 
   return run
+
+
+@pytest.fixture
+def train_main(run_cli):
+  """`train_main(argv)`: `jaxsft.train.main(argv)` in this process (see `run_cli`)."""
+  from jaxsft import train
+
+  return lambda argv: run_cli(train.main, argv)

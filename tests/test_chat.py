@@ -1,5 +1,8 @@
 """`python -m jaxsft.chat` through a pipe: a two-turn conversation with /reset, one-shot and
-batch mode equal `generate` on the same conversations; bad inputs exit 2 writing nothing."""
+batch mode equal `generate` on the same conversations; bad inputs exit 2 writing nothing.
+
+The pipe and the one-shot prompt run as a user runs them (a subprocess with torch hidden, whose
+whole stderr is checked); the other cases call `chat.main` in-process."""
 
 import json
 import os
@@ -29,8 +32,17 @@ def tiny(tmp_path_factory, tokenizer):
 def chat(*args, stdin=""):
   """`python -m jaxsft.chat ARGS` with torch hidden, as in a runtime-only install."""
   env = dict(os.environ, HF_HUB_OFFLINE="1")
+  for key in ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "TRANSFORMERS_VERBOSITY"):  # set by jaxsft imported here
+    env.pop(key, None)
   return subprocess.run([*without_torch("jaxsft.chat"), *map(str, args)], cwd=ROOT, env=env, input=stdin,
                         capture_output=True, text=True, timeout=600)
+
+
+def chat_main(run_cli, *args, stdin=""):
+  """`chat.main(ARGS)` in this process."""
+  from jaxsft import chat as chat_lib
+
+  return run_cli(chat_lib.main, args, stdin=stdin)
 
 
 def reply_to(tiny, messages):
@@ -58,7 +70,7 @@ def test_one_shot_prompt_with_a_system_prompt(tiny):
   assert r.stderr == ""  # nothing but the reply
 
 
-def test_batch_mode_adds_one_reply_per_record(tiny, tmp_path):
+def test_batch_mode_adds_one_reply_per_record(tiny, tmp_path, run_cli):
   records = [{"messages": [{"role": "user", "content": "Name a color."}]},
              {"instruction": "Add 2 and 3.", "output": "5", "id": 7},
              {"prompt": "Say hi"},
@@ -66,7 +78,7 @@ def test_batch_mode_adds_one_reply_per_record(tiny, tmp_path):
                                 {"from": "human", "value": "Bye"}]}]
   path = tmp_path / "prompts.jsonl"
   path.write_text("".join(json.dumps(r) + "\n" for r in records))
-  r = chat(tiny["run"], "--input", path, "--output", tmp_path / "replies.jsonl", "--max-new-tokens", NEW)
+  r = chat_main(run_cli, tiny["run"], "--input", path, "--output", tmp_path / "replies.jsonl", "--max-new-tokens", NEW)
   assert r.returncode == 0, r.stderr[-2000:]
   out = [json.loads(line) for line in (tmp_path / "replies.jsonl").read_text().splitlines()]
   assert len(out) == len(records)
@@ -79,15 +91,15 @@ def test_batch_mode_adds_one_reply_per_record(tiny, tmp_path):
   assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl", "replies.jsonl"]
 
 
-def test_sampling_is_seeded(tiny):
+def test_sampling_is_seeded(tiny, run_cli):
   args = ("--model", tiny["model_dir"], "--max-new-tokens", NEW, "--temperature", "1.5", "--top-k", "50",
           "--top-p", "0.95", "--prompt", "Tell me something")
-  a, b, c = chat(*args, "--seed", 1), chat(*args, "--seed", 1), chat(*args, "--seed", 2)
+  a, b, c = (chat_main(run_cli, *args, "--seed", seed) for seed in (1, 1, 2))
   assert a.returncode == 0, a.stderr[-2000:]
   assert a.stdout == b.stdout and a.stdout != c.stdout
 
 
-def test_bad_inputs_exit_2_with_a_clear_line(tiny, tmp_path, tokenizer):
+def test_bad_inputs_exit_2_with_a_clear_line(tiny, tmp_path, tokenizer, run_cli):
   import dataclasses
 
   from tuned_tiny import TINY_CHAT
@@ -106,7 +118,7 @@ def test_bad_inputs_exit_2_with_a_clear_line(tiny, tmp_path, tokenizer):
       "too long": ([tiny["run"], "--prompt", long_prompt], "context window is 256 tokens"),
   }
   for name, (args, message) in cases.items():
-    r = chat(*args, "--max-new-tokens", 4)
+    r = chat_main(run_cli, *args, "--max-new-tokens", 4)
     assert r.returncode == 2, (name, r.stderr[-2000:])
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error:") and message in last, (name, last)

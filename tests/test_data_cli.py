@@ -112,12 +112,11 @@ def test_a_record_the_template_cannot_label_is_an_error_or_a_skip(note_model, tm
     assert f"{data}: 2 records (2 skipped)" in out
 
 
-def test_the_trainer_reports_a_record_the_template_cannot_label_in_one_line(note_model, tmp_path):
+def test_the_trainer_reports_a_record_the_template_cannot_label_in_one_line(note_model, tmp_path, train_main):
   tok, data = note_model
   data.write_text(data.read_text().replace('{"prompt": "a"}\n', "\n"))
-  done = subprocess.run([sys.executable, "-m", "jaxsft.train", "--model", str(tok), "--data", str(data),
-                         "--output-dir", str(tmp_path / "run"), f"data.cache_dir={tmp_path / 'cache'}", "--no-progress"],
-                        capture_output=True, text=True, timeout=300)
+  done = train_main(["--model", tok, "--data", data, "--output-dir", tmp_path / "run",
+                     f"data.cache_dir={tmp_path / 'cache'}", "--no-progress"])
   assert done.returncode == 2, done.stderr
   assert f"error: {data}: line 5: assistant turn 1: the chat template renders" in done.stderr
   assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()

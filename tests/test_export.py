@@ -98,10 +98,10 @@ def test_gguf_export_is_in_llama_cpp_layout(tiny):
 
 
 @pytest.mark.slow
-def test_real_smollm2_gguf_export_keeps_the_tokenizer_and_logits(tmp_path):
+def test_real_smollm2_gguf_export_keeps_the_tokenizer_and_logits(tmp_path, smollm2_jax, tokenizer):
   """From the shipped GGUF: tokenizer metadata copied over, weights reload to the same logits."""
   out = export.export("smollm2-135m-instruct", None, tmp_path / "gguf", fmt="gguf", dtype="float32")
-  base, tok = models.load_model("smollm2-135m-instruct")
+  base, tok = smollm2_jax, tokenizer  # the session's float32 load of the shipped model
   again, tok2 = models.load_model(str(out / "model.gguf"))
   text = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}], tokenize=False)
   assert tok2.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}], tokenize=False) == text
@@ -114,27 +114,30 @@ def test_real_smollm2_gguf_export_keeps_the_tokenizer_and_logits(tmp_path):
 
 
 def cli(*args):
+  """`python -m jaxsft.export ARGS` with torch hidden, as a user runs it."""
   env = dict(os.environ, HF_HUB_OFFLINE="1")
+  for key in ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "TRANSFORMERS_VERBOSITY"):  # set by jaxsft imported here
+    env.pop(key, None)
   return subprocess.run([*without_torch("jaxsft.export"), *map(str, args)], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=600)
 
 
-def test_cli_exports_a_run_dir_and_refuses_an_existing_out(tiny, tmp_path):
+def test_cli_exports_a_run_dir_and_refuses_an_existing_out(tiny, tmp_path, run_cli):
   run = make_run_dir(tmp_path / "run", tiny["model"], tiny["adapter"])
   r = cli(run, "--out", tmp_path / "out")
   assert r.returncode == 0, r.stderr[-2000:]
   assert r.stderr.strip().splitlines()[-1].startswith("wrote") and len(r.stderr.strip().splitlines()) == 1  # quiet
   np.testing.assert_allclose(logits_of(tmp_path / "out"), tiny["logits"], atol=1e-5)
   before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()}
-  r = cli(run, "--out", tmp_path / "out", "--format", "gguf")
+  r = run_cli(export.main, [run, "--out", tmp_path / "out", "--format", "gguf"])  # in-process from here on
   assert r.returncode == 2 and "already exists" in r.stderr and "--overwrite" in r.stderr
   assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()} == before
-  r = cli(run, "--out", tmp_path / "out", "--format", "gguf", "--overwrite")
+  r = run_cli(export.main, [run, "--out", tmp_path / "out", "--format", "gguf", "--overwrite"])
   assert r.returncode == 0, r.stderr[-2000:]
   assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.gguf"]
 
 
-def test_cli_bad_inputs_exit_2_and_write_nothing(tiny, tmp_path, tokenizer):
+def test_cli_bad_inputs_exit_2_and_write_nothing(tiny, tmp_path, tokenizer, run_cli):
   other = make_model_dir(tmp_path / "other", tokenizer,
                          config=__import__("dataclasses").replace(TINY_CHAT, hidden_size=32, head_dim=8))
   cases = {
@@ -146,7 +149,7 @@ def test_cli_bad_inputs_exit_2_and_write_nothing(tiny, tmp_path, tokenizer):
   (tmp_path / "empty").mkdir()
   for name, (args, message) in cases.items():
     out = tmp_path / f"out-{name.replace(' ', '-')}"
-    r = cli(*args, "--out", out)
+    r = run_cli(export.main, [*args, "--out", out])
     assert r.returncode == 2, (name, r.stderr[-2000:])
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error:") and message in last, (name, last)

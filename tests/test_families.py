@@ -1,11 +1,7 @@
 """The non-Llama families without torch: HF folders round-trip, one scanned layer per model,
-refusals that name the architecture, and a real CLI run (train, then chat) on a tiny Phi-3."""
+refusals that name the architecture, and a CLI run (train, then chat) on a tiny Phi-3."""
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -13,8 +9,6 @@ import pytest
 
 from jaxsft import lora, models
 from tiny_model import FAMILY_CONFIGS, family_config, make_family_model_dir
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("kind", sorted(FAMILY_CONFIGS))
@@ -71,20 +65,18 @@ def test_a_config_of_another_architecture_lists_what_is_supported(tmp_path):
     assert arch in message
 
 
-def test_train_then_chat_on_a_tiny_phi3(tokenizer, tmp_path):
+def test_train_then_chat_on_a_tiny_phi3(tokenizer, tmp_path, train_main, run_cli):
   """The CLI on a family with fused projections: the adapter is saved under PEFT's fused names
-  and chat loads base + adapter back."""
+  and chat loads base + adapter back (both commands' `main` in-process)."""
+  from jaxsft import chat as chat_lib
   from jaxsft.data import synthetic
 
   model_dir = make_family_model_dir(tmp_path / "phi3", tokenizer, "phi3")
   data = synthetic.write_jsonl(synthetic.make_dataset(40, seed=2), tmp_path / "tasks.jsonl")
   out = tmp_path / "run"
-  env = dict(os.environ, HF_HUB_OFFLINE="1")
-  train = subprocess.run([sys.executable, "-m", "jaxsft.train", "--model", model_dir, "--data", data,
-                          "--output-dir", out, "max_steps=3", "data.num_buckets=1", "data.batch_size=8",
-                          "data.tokens_per_batch=none", "data.max_val_examples=8", "eval.num_prompts=2",
-                          "eval.max_new_tokens=4", "--no-progress"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  train = train_main(["--model", model_dir, "--data", data, "--output-dir", out, "max_steps=3", "data.num_buckets=1",
+                       "data.batch_size=8", "data.tokens_per_batch=none", "data.max_val_examples=8",
+                       "eval.num_prompts=2", "eval.max_new_tokens=4", "--no-progress"])
   assert train.returncode == 0, train.stdout + train.stderr
   adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
   assert adapter["target_modules"] == sorted(["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
@@ -92,7 +84,6 @@ def test_train_then_chat_on_a_tiny_phi3(tokenizer, tmp_path):
 
   names = load_file(str(out / "adapter" / "adapter_model.safetensors"))
   assert "base_model.model.model.layers.3.self_attn.qkv_proj.lora_A.weight" in names
-  chat = subprocess.run([sys.executable, "-m", "jaxsft.chat", out, "--prompt", "Hi", "--max-new-tokens", "4"],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  chat = run_cli(chat_lib.main, [out, "--prompt", "Hi", "--max-new-tokens", "4"])
   assert chat.returncode == 0, chat.stdout + chat.stderr
   assert chat.stdout.strip()

@@ -3,7 +3,8 @@
 Three runs on the built-in task set, small token budgets so each takes well under a minute:
 a sensible learning rate (held-out loss drops), a far too high one and a far too low one (the
 doctor must name the learning rate as the likely cause). They share the session's persistent
-XLA cache (conftest), so the second and third runs reuse the first one's compiles.
+XLA cache (conftest), so the second and third runs reuse the first one's compiles. The first runs
+`python -m jaxsft.train` as a user does; the other two, and the doctor, run in-process.
 """
 
 import json
@@ -22,7 +23,12 @@ COMMON = ["data.synthetic_size=240", "data.max_length=256", "data.num_buckets=2"
           "max_steps=12"]
 
 
-def run(out, *args):
+def run(out, *args, train_main=None):
+  """`python -m jaxsft.train` on SmolLM2 into `out` (in-process through the `train_main` fixture if given)."""
+  if train_main is not None:
+    r = train_main(["--output-dir", out, *COMMON, *args])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text()), r.stderr
   env = dict(os.environ, HF_HUB_OFFLINE="1")
   r = subprocess.run([sys.executable, "-m", "jaxsft.train", "--output-dir", str(out), *COMMON, *args],
                      cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -30,9 +36,10 @@ def run(out, *args):
   return json.loads((out / "summary.json").read_text()), r.stderr
 
 
-def doctor(out):
-  r = subprocess.run([sys.executable, "-m", "jaxsft.doctor", str(out), "--json"], cwd=ROOT, capture_output=True,
-                     text=True, timeout=120)
+def doctor(out, run_cli):
+  from jaxsft import doctor as doctor_lib
+
+  r = run_cli(doctor_lib.main, [out, "--json"])
   assert r.returncode == 0, r.stderr
   return json.loads(r.stdout)
 
@@ -45,12 +52,12 @@ def test_sensible_lr_lowers_held_out_loss(tmp_path):
   assert (tmp_path / "ok" / "adapter" / "adapter_model.safetensors").is_file()
 
 
-def test_doctor_on_far_too_high_and_far_too_low_learning_rates(tmp_path):
-  _, _ = run(tmp_path / "high", "--lr", "0.3", "optim.warmup_steps=0")
-  high = doctor(tmp_path / "high")
+def test_doctor_on_far_too_high_and_far_too_low_learning_rates(tmp_path, train_main, run_cli):
+  _, _ = run(tmp_path / "high", "--lr", "0.3", "optim.warmup_steps=0", train_main=train_main)
+  high = doctor(tmp_path / "high", run_cli)
   assert high["pattern"] in ("diverging", "oscillating"), high  # both: "learning rate too high"
   assert "learning rate" in high["likely_cause"].lower(), high
-  _, _ = run(tmp_path / "low", "--lr", "1e-7", "optim.warmup_steps=0")
-  low = doctor(tmp_path / "low")
+  _, _ = run(tmp_path / "low", "--lr", "1e-7", "optim.warmup_steps=0", train_main=train_main)
+  low = doctor(tmp_path / "low", run_cli)
   assert low["pattern"] == "flat", low
   assert "learning rate too low" in low["likely_cause"].lower(), low

@@ -296,10 +296,13 @@ def test_fsdp_shards_the_largest_dimension_it_divides():
 
 # --------------------------------------------------------------------------- bf16 on the real model
 @pytest.fixture(scope="module")
-def real_models():
+def real_models(smollm2_jax):
+  """Copies the test may change (it adds LoRA): the session's float32 model and a bfloat16 load."""
+  from flax import nnx
+
   from jaxsft import models
 
-  return {dtype: models.load_model("smollm2-135m-instruct", dtype=dtype)[0] for dtype in ("float32", "bfloat16")}
+  return {"float32": nnx.clone(smollm2_jax), "bfloat16": models.load_model("smollm2-135m-instruct", dtype="bfloat16")[0]}
 
 
 @pytest.mark.slow

@@ -98,14 +98,14 @@ def test_trained_positions_step_equals_full_logits_loss(packed):
 
 
 @pytest.mark.slow
-def test_trained_positions_loss_equals_full_logits_on_the_real_model():
+def test_trained_positions_loss_equals_full_logits_on_the_real_model(smollm2_jax):
   """SmolLM2's own final hidden states and 49,152 x 576 embedding: the trained-positions loss,
   in several chunks some of which are skipped, has the full-logits value and the same gradients
   with respect to the hidden states and the embedding (every gradient upstream, LoRA's included,
   follows from these two by the chain rule; the tiny-model test above checks the whole step)."""
   from jaxsft import loss
 
-  model, _ = models.load_model("smollm2-135m-instruct", dtype="float32")
+  model = smollm2_jax
   batch = _batch(2, 96, model.config.vocab_size, seed=3)
   labels = jnp.asarray(batch["labels"])
   with jax.default_matmul_precision("highest"):

@@ -1,6 +1,8 @@
-"""The trainer end to end on a tiny random Llama (real tokenizer, real pipeline), in subprocesses.
+"""The trainer end to end on a tiny random Llama (real tokenizer, real pipeline).
 
-The CLI runs with torch hidden from the import system: the runtime must not need it.
+The end-to-end run and the killed run are what a user runs: `jaxsft.train.main` in a fresh
+interpreter with torch hidden from the import system (the runtime must not need it). The other
+runs check files and metrics the same code path writes, so they call `main` in-process.
 """
 
 import json
@@ -34,20 +36,6 @@ def run_cli(args, *, wait=True, **kw):
   if not wait:
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, **kw)
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory, tokenizer):
-  from tiny_model import make_tiny_model_dir
-
-  return make_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model", tokenizer)
-
-
-@pytest.fixture(scope="session")
-def small_data(tmp_path_factory):
-  from jaxsft.data import synthetic
-
-  return synthetic.write_jsonl(synthetic.make_dataset(160, seed=1), tmp_path_factory.mktemp("data") / "tasks.jsonl")
 
 
 def base_args(tiny_dir, small_data, out, *extra):
@@ -128,31 +116,31 @@ def test_killed_run_resumes_to_the_same_metrics(tiny_dir, small_data, tmp_path):
   assert epochs(ref) and epochs(ref) == epochs(killed)
 
 
-def test_bad_config_and_bad_data_write_nothing(tiny_dir, small_data, tmp_path):
+def test_bad_config_and_bad_data_write_nothing(tiny_dir, small_data, tmp_path, train_main):
   out = tmp_path / "never"
-  r = run_cli(base_args(tiny_dir, small_data, out, "optim.learning_rate=1"))
+  r = train_main(base_args(tiny_dir, small_data, out, "optim.learning_rate=1"))
   assert r.returncode == 2 and "unknown key 'optim.learning_rate'" in r.stderr and "optim.lr" in r.stderr
   bad = tmp_path / "bad.jsonl"
   bad.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c", "output": 7}\n')
-  r = run_cli(base_args(tiny_dir, bad, out))
+  r = train_main(base_args(tiny_dir, bad, out))
   assert r.returncode == 2
   assert "bad.jsonl" in r.stderr and "line 2" in r.stderr and "output" in r.stderr
-  r = run_cli(base_args(tiny_dir, small_data, out, "mesh.data=3"))
+  r = train_main(base_args(tiny_dir, small_data, out, "mesh.data=3"))
   assert r.returncode == 2 and "mesh" in r.stderr
   assert not out.exists()
 
 
-def test_non_finite_steps_stop_the_run_and_keep_what_was_saved(tiny_dir, small_data, tmp_path, tokenizer):
+def test_non_finite_steps_stop_the_run_and_keep_what_was_saved(tiny_dir, small_data, tmp_path, tokenizer, train_main):
   from tiny_model import make_tiny_model_dir
 
   out = tmp_path / "nan"
   common = ["save_every=3", "eval.eval_every=0", "eval.generate=false"]
-  r = run_cli(base_args(tiny_dir, small_data, out, "max_steps=3", *common))
+  r = train_main(base_args(tiny_dir, small_data, out, "max_steps=3", *common))
   assert r.returncode == 0, r.stderr
   adapter = (out / "adapter" / "adapter_model.safetensors").read_bytes()
   # Same run continued on corrupt weights (NaN in one projection): every loss is NaN from now on.
   nan_dir = make_tiny_model_dir(tmp_path / "nan_model", tokenizer, nan_weights=True)
-  r = run_cli(base_args(nan_dir, small_data, out, "max_steps=20", "--resume", *common))
+  r = train_main(base_args(nan_dir, small_data, out, "max_steps=20", "--resume", *common))
   assert r.returncode == 2, r.stderr
   assert "3 consecutive steps with a non-finite loss or gradient" in r.stderr
   train, _, _ = read_metrics(out)
@@ -216,7 +204,7 @@ def test_accumulated_micro_batches_equal_one_batch_whatever_the_padding(tokenize
   assert float(out["loss"]) == pytest.approx(float(nll1 + nll2) / float(n1 + n2), rel=1e-6)
 
 
-def test_a_shape_outside_the_warm_up_set_is_counted_as_a_recompile():
+def test_a_shape_outside_the_warm_up_set_is_counted_as_a_recompile(no_compile_cache):
   import jax
   from flax import nnx
 
@@ -252,15 +240,15 @@ def _damage(checkpoint):
     p.write_bytes(b"\xff" * max(p.stat().st_size, 1))
 
 
-def test_resume_falls_back_past_a_damaged_checkpoint(tiny_dir, small_data, tmp_path):
+def test_resume_falls_back_past_a_damaged_checkpoint(tiny_dir, small_data, tmp_path, train_main):
   steps = ["save_every=2", "keep_checkpoints=3", "eval.eval_every=0", "eval.generate=false"]
   out = tmp_path / "run"
-  r = run_cli(base_args(tiny_dir, small_data, out, "max_steps=5", *steps))
+  r = train_main(base_args(tiny_dir, small_data, out, "max_steps=5", *steps))
   assert r.returncode == 0, r.stderr
   ckpt = out / "checkpoints"
   assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [2, 4, 5]
   _damage(ckpt / "5")
-  r = run_cli(base_args(tiny_dir, small_data, out, "max_steps=7", "--resume", *steps))
+  r = train_main(base_args(tiny_dir, small_data, out, "max_steps=7", "--resume", *steps))
   assert r.returncode == 0, r.stderr
   assert f"checkpoint {ckpt / '5'} is damaged" in r.stderr and "resumed from step 4" in r.stderr
   assert (out / "damaged_checkpoints" / "5").is_dir()
@@ -270,12 +258,12 @@ def test_resume_falls_back_past_a_damaged_checkpoint(tiny_dir, small_data, tmp_p
   for p in ckpt.iterdir():
     if p.name.isdigit():
       _damage(p)
-  r = run_cli(base_args(tiny_dir, small_data, out, "max_steps=9", "--resume", *steps))
+  r = train_main(base_args(tiny_dir, small_data, out, "max_steps=9", "--resume", *steps))
   assert r.returncode == 2
   assert "restores whole" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_data_running_out_early_still_ends_with_a_fresh_validation(tiny_dir, small_data, tmp_path, tokenizer):
+def test_data_running_out_early_still_ends_with_a_fresh_validation(tiny_dir, small_data, tmp_path, tokenizer, train_main):
   """Packed epochs can pack tighter than the first one (the planned step count is one epoch's
   batches x epochs): the run then stops early, and its last validation is of its last step."""
   from jaxsft import config as config_lib
@@ -295,8 +283,8 @@ def test_data_running_out_early_still_ends_with_a_fresh_validation(tiny_dir, sma
   else:
     pytest.skip("no seed in 0..19 packs its second epoch tighter")
   out = tmp_path / "run"
-  r = run_cli(base_args(tiny_dir, small_data, out, *packed, f"data.seed={seed}", "eval.eval_every=5",
-                        "eval.generate=false"))
+  r = train_main(base_args(tiny_dir, small_data, out, *packed, f"data.seed={seed}", "eval.eval_every=5",
+                           "eval.generate=false"))
   assert r.returncode == 0, r.stderr
   assert "the data ran out" in r.stderr
   train, val, _ = read_metrics(out)
@@ -306,7 +294,7 @@ def test_data_running_out_early_still_ends_with_a_fresh_validation(tiny_dir, sma
   assert summary["steps"] == last_step and summary["val_loss"] == val[-1]["val_loss"]
 
 
-def test_epoch_loss_and_valid_tokens_use_the_loss_count(small_data, tmp_path, tokenizer):
+def test_epoch_loss_and_valid_tokens_use_the_loss_count(small_data, tmp_path, tokenizer, train_main):
   """Replies that start a row: the loss cannot score a row's first token (nothing predicts it),
   so the logged valid tokens and the epoch average count labels[1:], as the loss does."""
   import copy
@@ -322,7 +310,7 @@ def test_epoch_loss_and_valid_tokens_use_the_loss_count(small_data, tmp_path, to
   path = tmp_path / "replies.jsonl"
   path.write_text("".join(json.dumps(r) + "\n" for r in records))
   out = tmp_path / "run"
-  r = run_cli(base_args(model_dir, path, out, "data.val_fraction=0", "eval.generate=false", "eval.eval_every=0"))
+  r = train_main(base_args(model_dir, path, out, "data.val_fraction=0", "eval.generate=false", "eval.eval_every=0"))
   assert r.returncode == 0, r.stderr
   train, _, lines = read_metrics(out)
   examples = data.tokenize_records(content_only, records, max_length=1024).examples
@@ -333,7 +321,8 @@ def test_epoch_loss_and_valid_tokens_use_the_loss_count(small_data, tmp_path, to
   assert epoch["epoch_loss"] == pytest.approx(weighted, rel=1e-5)
 
 
-def test_max_steps_repeats_the_data_and_dynamic_compiles_the_data_shapes(tiny_dir, small_data, tmp_path):
+def test_max_steps_repeats_the_data_and_dynamic_compiles_the_data_shapes(tiny_dir, small_data, tmp_path, train_main,
+                                                                         no_compile_cache):
   """max_steps beyond one epoch runs that many steps (the data repeats); dynamic batching compiles
   the widths the stored lengths give, not every multiple of 8 up to max_length."""
   from jaxsft.data import TokenStore, round_up
@@ -342,8 +331,8 @@ def test_max_steps_repeats_the_data_and_dynamic_compiles_the_data_shapes(tiny_di
   out = tmp_path / "run"
   # Every record trains (no held-out split, so no evaluation executables): the compiles are the
   # training step's, one per width.
-  r = run_cli(base_args(tiny_dir, small_data, out, "max_steps=25", "data.batching=dynamic", "eval.eval_every=0",
-                        "eval.generate=false", "data.val_fraction=0", f"data.cache_dir={cache}"))
+  r = train_main(base_args(tiny_dir, small_data, out, "max_steps=25", "data.batching=dynamic", "eval.eval_every=0",
+                           "eval.generate=false", "data.val_fraction=0", f"data.cache_dir={cache}"))
   assert r.returncode == 0, r.stderr[-3000:]
   train, _, lines = read_metrics(out)
   config = lines[0]
@@ -359,7 +348,7 @@ def test_max_steps_repeats_the_data_and_dynamic_compiles_the_data_shapes(tiny_di
   summary = json.loads((out / "summary.json").read_text())
   assert summary["steps"] == 25 and summary["recompiles"] == 0
   # The store's key is the data and the tokenization, not the batching: a bucketed run finds it.
-  again = run_cli(base_args(tiny_dir, small_data, tmp_path / "run2", "max_steps=1", "data.batching=bucketed",
-                            "eval.generate=false", f"data.cache_dir={cache}"))
+  again = train_main(base_args(tiny_dir, small_data, tmp_path / "run2", "max_steps=1", "data.batching=bucketed",
+                               "eval.generate=false", f"data.cache_dir={cache}"))
   assert again.returncode == 0, again.stderr[-3000:]
   assert "token store" in again.stderr and "found in" in again.stderr  # the second run tokenizes nothing

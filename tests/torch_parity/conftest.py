@@ -77,11 +77,6 @@ def smollm2_torch():
   return model.eval()
 
 
-@pytest.fixture(scope="session")
-def smollm2_jax():
-  return load_causal_lm("smollm2-135m-instruct", dtype="float32")
-
-
 def tiny_hf_config(kind: str):
   common = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1,
