@@ -12,22 +12,14 @@ import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no network at test time
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# One persistent XLA cache for the session, in this process and in its subprocesses: runs with the
-# same model and shapes (resume tests, repeated CLI runs) compile once. Results are unchanged. A
-# cache hit emits no compile event, so tests that count compiles opt out (`no_compile_cache`,
-# `NO_COMPILE_CACHE_ENV`).
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-  import tempfile
-
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxsft-xla-cache-")
 
 import pytest
+import xla_cache  # tests/xla_cache.py
+
+xla_cache.configure()  # before anything imports JAX
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
-
-# For a subprocess whose compiles are counted: XLA's compile events are skipped on a cache hit.
-NO_COMPILE_CACHE_ENV = {"JAX_ENABLE_COMPILATION_CACHE": "false"}
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repo
 from benchmarks import collation, common  # noqa: E402
 
 
-def test_collation_study_counts_composes_and_validates(tmp_path):
+def test_collation_study_counts_composes_and_validates(tmp_path, no_compile_cache):
   name = "oasst_top_paths.jsonl"
   result = collation.run_study(datasets=[name, common.BUILTIN], model_name="tiny", examples=16, max_length=128, batch_size=4,
                                grid=[128], reps=1, validate=[f"{name}:static"], log=lambda s: None)

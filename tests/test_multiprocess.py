@@ -30,16 +30,6 @@ COMMON = ["--lr", "2e-3", "data.bucket_lengths=[128]", "data.max_length=128", "d
 PER_STEP = ("loss", "grad_norm", "lr", "tokens", "real_tokens", "valid_tokens")
 
 
-@pytest.fixture(scope="module")
-def tiny_and_data(tmp_path_factory, tokenizer):
-  from jaxsft.data import synthetic
-  from tiny_model import make_tiny_model_dir
-
-  root = tmp_path_factory.mktemp("mp")
-  return (make_tiny_model_dir(root / "model", tokenizer),
-          synthetic.write_jsonl(synthetic.make_dataset(160, seed=1), root / "tasks.jsonl"))
-
-
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -71,10 +61,10 @@ def _adapter(run):
   return load_file(str(pathlib.Path(run) / "adapter" / "adapter_model.safetensors"))
 
 
-def test_two_processes_train_resume_and_match_one_process(tiny_and_data, tmp_path, monkeypatch):
+def test_two_processes_train_resume_and_match_one_process(tiny_dir, small_data, tmp_path, monkeypatch):
   # Compiles are counted from XLA's compile events; a persistent-cache hit would emit none.
   monkeypatch.setenv("JAX_ENABLE_COMPILATION_CACHE", "false")
-  model_dir, data_path = tiny_and_data
+  model_dir, data_path = tiny_dir, small_data  # the session's tiny Llama and 160 task records
   args = lambda out, *extra: ["--model", model_dir, "--data", data_path, "--output-dir", out, *COMMON, *extra]
   one, two = tmp_path / "one", tmp_path / "two"
   adapters = {}

@@ -1,6 +1,6 @@
 """The runtime needs no torch: the real model and its tokenizer load from the GGUF, with every
-cache empty, in an interpreter where torch cannot be found (transformers' own GGUF reader
-imports torch, so this path must not go through it)."""
+cache empty, and then from the cache that load wrote, in an interpreter where torch cannot be
+found (transformers' own GGUF reader imports torch, so this path must not go through it)."""
 
 import os
 import subprocess
@@ -21,6 +21,11 @@ SCRIPT = PRELUDE + textwrap.dedent("""
     logits = jax.jit(lambda m, x: m(x))(model, jnp.asarray([ids], jnp.int32))
     assert tok.pad_token_id == tok.eos_token_id == 2 and tok.bos_token_id == 1
     assert bool(jnp.isfinite(logits).all()) and logits.shape[-1] == 49152
+    # Loaded again, now from the dequantized safetensors cache the first load wrote; the training
+    # modules import without torch too.
+    from jaxsft import lora, loss
+    again = models.load_causal_lm("smollm2-135m-instruct")
+    assert (again.config.num_layers, again.config.tie_word_embeddings) == (30, True)
     assert "torch" not in sys.modules
     print("OK", len(ids))
 """)

@@ -236,12 +236,8 @@ def test_the_sharded_step_compiles_once_per_bucket(mesh_results):
     assert res[name]["recompiles"] == 0 and res[name]["unexpected_shapes"] == []
 
 
-def test_a_mesh_or_batch_size_that_cannot_fit_fails_before_anything_compiles(tmp_path, tokenizer):
-  from jaxsft.data import synthetic
-  from tiny_model import make_tiny_model_dir
-
-  model_dir = make_tiny_model_dir(tmp_path / "model", tokenizer)
-  data_path = synthetic.write_jsonl(synthetic.make_dataset(40, seed=1), tmp_path / "tasks.jsonl")
+def test_a_mesh_or_batch_size_that_cannot_fit_fails_before_anything_compiles(tmp_path, tiny_dir, small_data):
+  model_dir, data_path = tiny_dir, small_data
   out, run_dir = tmp_path / "errors.json", tmp_path / "run"
   _run_worker("_worker_cli_mesh_errors", model_dir, data_path, run_dir, out)
   res = json.loads(out.read_text())

@@ -124,7 +124,7 @@ def test_trained_positions_loss_equals_full_logits_on_the_real_model(smollm2_jax
     np.testing.assert_allclose(np.asarray(g), np.asarray(ref), rtol=1e-4, atol=1e-4 * float(jnp.abs(ref).max()))
 
 
-def test_fused_train_step_is_one_executable_equal_to_accumulate_then_apply():
+def test_fused_train_step_is_one_executable_equal_to_accumulate_then_apply(no_compile_cache):
   """grad_accum 1: one compiled executable per shape whose result is accumulate → apply's."""
   cfg, graphdef, params, frozen, tx, fns, mesh = _setup(models.init_random(TINY, seed=0))
   batch = mesh.put_batch(_batch(2, 24, TINY.vocab_size))

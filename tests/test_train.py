@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from hide_torch import PRELUDE
+from xla_cache import NO_COMPILE_CACHE_ENV
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -30,8 +31,8 @@ _HIDE_TORCH = PRELUDE + textwrap.dedent("""
 """)
 
 
-def run_cli(args, *, wait=True, **kw):
-  env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+def run_cli(args, *, wait=True, env_extra=None, **kw):
+  env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
   cmd = [sys.executable, "-c", _HIDE_TORCH, *map(str, args)]
   if not wait:
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -51,8 +52,9 @@ def read_metrics(run):
 
 def test_cli_end_to_end_on_a_tiny_model(tiny_dir, small_data, tmp_path):
   out = tmp_path / "run"
+  # Its compiles are counted: none may come from the session's persistent cache.
   r = run_cli(base_args(tiny_dir, small_data, out, "max_steps=8", "eval.eval_every=4", "save_every=4",
-                        "eval.num_prompts=4", "eval.max_new_tokens=4"))
+                        "eval.num_prompts=4", "eval.max_new_tokens=4"), env_extra=NO_COMPILE_CACHE_ENV)
   assert r.returncode == 0, r.stdout + r.stderr
   train, val, lines = read_metrics(out)
   assert [l["step"] for l in train] == list(range(1, 9))
