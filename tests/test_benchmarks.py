@@ -105,6 +105,7 @@ def test_vs_torch_keeps_contended_runs_out_of_the_summary():
   assert "**CONTENDED**" in text and "| 8x128 | torch_eager (contended) |" in text
 
 
+@pytest.mark.slow  # a fresh interpreter per family
 def test_compile_time_quick_has_a_row_per_family(tmp_path):
   """`--quick`: every family at 2 layers, one shape, one cold compile each in its own process
   (the session's persistent XLA cache is kept out of the workers)."""

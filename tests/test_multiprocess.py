@@ -61,6 +61,7 @@ def _adapter(run):
   return load_file(str(pathlib.Path(run) / "adapter" / "adapter_model.safetensors"))
 
 
+@pytest.mark.slow  # four trainer processes and two runs
 def test_two_processes_train_resume_and_match_one_process(tiny_dir, small_data, tmp_path, monkeypatch):
   # Compiles are counted from XLA's compile events; a persistent-cache hit would emit none.
   monkeypatch.setenv("JAX_ENABLE_COMPILATION_CACHE", "false")

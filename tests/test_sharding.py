@@ -185,6 +185,7 @@ def mesh_results(tmp_path_factory):
   return res, arrays
 
 
+@pytest.mark.slow  # an 8-device interpreter that compiles four meshes
 def test_every_mesh_gives_the_one_device_loss_gradients_and_parameters(mesh_results):
   res, arrays = mesh_results
   ref = res["1"]
@@ -203,6 +204,7 @@ def test_every_mesh_gives_the_one_device_loss_gradients_and_parameters(mesh_resu
   assert ref["losses"][2] != ref["losses"][0] and np.isfinite(ref["losses"]).all()
 
 
+@pytest.mark.slow  # an 8-device interpreter that compiles four meshes
 def test_the_batch_and_the_weights_are_really_split(mesh_results):
   res, _ = mesh_results
   assert res["1"]["rows_per_device"] == [8] and res["4x1"]["rows_per_device"] == [2]
@@ -215,6 +217,7 @@ def test_the_batch_and_the_weights_are_really_split(mesh_results):
   assert not any("fsdp" in spec for spec in res["8x1"]["frozen_specs"])
 
 
+@pytest.mark.slow  # an 8-device interpreter that compiles four meshes
 def test_uneven_valid_tokens_across_shards_keep_the_global_normalization(mesh_results):
   res, _ = mesh_results
   sums = np.array(res["shard_sums_4"])  # (Σ nll, Σ valid) of each device's rows on the 4-device data axis
@@ -228,6 +231,7 @@ def test_uneven_valid_tokens_across_shards_keep_the_global_normalization(mesh_re
     assert res[name]["losses"][0] == pytest.approx(global_loss, rel=1e-5)
 
 
+@pytest.mark.slow  # an 8-device interpreter that compiles four meshes
 def test_the_sharded_step_compiles_once_per_bucket(mesh_results):
   res, _ = mesh_results
   # zeros + apply, then accumulate once for each of the 2 bucket shapes; none after warm-up.
@@ -236,6 +240,7 @@ def test_the_sharded_step_compiles_once_per_bucket(mesh_results):
     assert res[name]["recompiles"] == 0 and res[name]["unexpected_shapes"] == []
 
 
+@pytest.mark.slow  # an 8-device interpreter
 def test_a_mesh_or_batch_size_that_cannot_fit_fails_before_anything_compiles(tmp_path, tiny_dir, small_data):
   model_dir, data_path = tiny_dir, small_data
   out, run_dir = tmp_path / "errors.json", tmp_path / "run"

@@ -87,6 +87,7 @@ def test_cli_end_to_end_on_a_tiny_model(tiny_dir, small_data, tmp_path):
 DETERMINISTIC = ("loss", "grad_norm", "lr", "tokens", "real_tokens", "valid_tokens", "epoch")
 
 
+@pytest.mark.slow  # three runs in fresh interpreters
 def test_killed_run_resumes_to_the_same_metrics(tiny_dir, small_data, tmp_path):
   steps = ["max_steps=12", "save_every=3", "eval.eval_every=4", "eval.generate=false"]
   ref = tmp_path / "uninterrupted"
