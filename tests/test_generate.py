@@ -3,6 +3,7 @@
 import dataclasses
 
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxsft import models
 from jaxsft.data.tokenize import _render
@@ -10,11 +11,15 @@ from jaxsft.generate import generate, stop_token_ids
 from tiny_model import TINY
 
 
+# One compiled forward per length (an eager forward would compile each of its ops per length).
+_full_forward = nnx.jit(lambda model, ids: model(ids))
+
+
 def naive_greedy(model, tokenizer, messages, max_new_tokens):
   ids = tokenizer(_render(tokenizer, messages, generation_prompt=True), add_special_tokens=False)["input_ids"]
   out = []
   for _ in range(max_new_tokens):
-    token = int(jnp.argmax(model(jnp.asarray([ids + out], jnp.int32))[0, -1]))
+    token = int(jnp.argmax(_full_forward(model, jnp.asarray([ids + out], jnp.int32))[0, -1]))
     if token in stop_token_ids(tokenizer, model):
       break
     out.append(token)
