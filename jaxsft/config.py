@@ -18,13 +18,14 @@ import typing
 from typing import Any
 
 from jaxsft.data import BATCHING, FORMATS, ON_ERROR, TRAIN_ON  # the data package owns its allowed values
+from jaxsft.errors import JaxsftError
 
 
 DEFAULT_CONFIG = pathlib.Path(__file__).parent / "configs" / "default.yaml"
 """The embedded default run, the base of the command line when no --config is given."""
 
 
-class ConfigError(ValueError):
+class ConfigError(JaxsftError, ValueError):
   """A bad configuration key or value (names the key and, for YAML, the file)."""
 
 

@@ -81,7 +81,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxsft import run_files
+from jaxsft import errors, run_files
 
 MIN_POINTS = 8
 NEAR_ZERO = 0.05
@@ -422,13 +422,14 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("run_dir", help="a training output folder holding metrics.jsonl (or the file)")
   parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
   args = parser.parse_args(argv)
-  try:
-    diagnosis = diagnose_run(args.run_dir)
-  except (OSError, run_files.MetricsError) as e:
-    print(f"jaxsft.doctor: error: {e}", file=sys.stderr)
-    return 2
-  print(json.dumps(dataclasses.asdict(diagnosis), indent=2) if args.json else diagnosis.report())
-  return 0
+  def body():
+    try:
+      diagnosis = diagnose_run(args.run_dir)
+    except FileNotFoundError as e:  # read_metrics names the run folder
+      raise run_files.MetricsError(str(e)) from None
+    print(json.dumps(dataclasses.asdict(diagnosis), indent=2) if args.json else diagnosis.report())
+
+  return errors.run_cli(body)
 
 
 if __name__ == "__main__":

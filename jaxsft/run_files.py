@@ -25,6 +25,8 @@ import shutil
 import tempfile
 from typing import IO, Callable, Iterator
 
+from jaxsft.errors import JaxsftError
+
 
 # ---------------------------------------------------------------------------------------------
 # Atomic writes.
@@ -147,7 +149,7 @@ class RunFiles:
 # Reading metrics.jsonl.
 
 
-class MetricsError(ValueError):
+class MetricsError(JaxsftError, ValueError):
   """A malformed metrics.jsonl (the message names the file and the line)."""
 
 

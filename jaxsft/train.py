@@ -30,16 +30,18 @@ from flax import nnx
 
 from jaxsft import config as config_lib
 from jaxsft import data as data_lib
+from jaxsft import errors
 from jaxsft import lora as lora_lib
 from jaxsft import models
 from jaxsft import sharding as sharding_lib
 from jaxsft import step as step_lib
+from jaxsft.errors import JaxsftError
 from jaxsft.run_files import RunFiles
 
 log = logging.getLogger("jaxsft.train")
 
 
-class TrainingError(RuntimeError):
+class TrainingError(JaxsftError, RuntimeError):
   """The run cannot go on (too many non-finite steps, no checkpoint to resume); saved state is kept."""
 
 
@@ -830,12 +832,7 @@ def main(argv: list[str] | None = None) -> int:
 
   quiet.silence_library_noise()
   _log_to_stderr()
-  try:
-    train(config_lib.parse_args(argv))
-  except (config_lib.ConfigError, data_lib.DataError, sharding_lib.MeshError, FileNotFoundError, TrainingError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  return 0
+  return errors.run_cli(lambda: train(config_lib.parse_args(argv)) and None)
 
 
 if __name__ == "__main__":

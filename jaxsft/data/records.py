@@ -37,6 +37,8 @@ import os
 import pathlib
 from typing import Any, Callable, Iterator
 
+from jaxsft.errors import JaxsftError
+
 logger = logging.getLogger("jaxsft.data")
 
 FORMATS = ("alpaca", "messages", "sharegpt", "prompt_completion")
@@ -51,7 +53,7 @@ _FORMAT_NAMES = {"alpaca": "an Alpaca", "prompt_completion": "a prompt/completio
 _BOM = b"\xef\xbb\xbf"
 
 
-class DataError(ValueError):
+class DataError(JaxsftError, ValueError):
   """Bad instruction data: the message names the file, the line or index, and the field."""
 
   def __init__(self, message: str, *, path: str | None = None, where: str | None = None,

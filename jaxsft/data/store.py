@@ -48,6 +48,7 @@ import numpy as np
 from jaxsft.data.records import SkipReport
 from jaxsft.data.tokenize import (PLAIN_CHAT_TEMPLATE, TokenizedRecords, _backend, _bos_prefix, encode_rendered,
                                   iter_rendered)
+from jaxsft.errors import JaxsftError
 from jaxsft.labels import IGNORE_INDEX
 from jaxsft.models.hub import jaxsft_cache
 
@@ -63,7 +64,7 @@ _BLOBS = ("tokens.bin", "trained.bin", "records.bin")
 _CRC_CHUNK = 1 << 24
 
 
-class StoreError(ValueError):
+class StoreError(JaxsftError, ValueError):
   """A token store that is missing, partial or damaged (the message says which file and why)."""
 
 

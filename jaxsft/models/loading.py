@@ -38,6 +38,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from jaxsft import run_files
+from jaxsft.errors import ModelError
 from jaxsft.models import llama
 from jaxsft.models.families import FULL, SLIDING
 from jaxsft.models.hub import ModelSource, load_tokenizer, resolve_model
@@ -147,18 +148,27 @@ def _local_folder(source: ModelSource) -> pathlib.Path:
                                                                       "*.txt"]))
 
 
+def read_hf_config(folder: str | os.PathLike) -> dict:
+  """FOLDER/config.json, refused (`ModelError` naming the file and the architecture, with the
+  supported list) unless jaxsft builds that model: checked before any weight or tokenizer is read."""
+  config_path = pathlib.Path(folder) / "config.json"
+  try:
+    hf_config = json.loads(config_path.read_text())
+  except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
+    raise ModelError(f"{config_path}: invalid JSON ({getattr(e, 'msg', None) or e})") from None
+  if not isinstance(hf_config, dict):
+    raise ModelError(f"{config_path}: expected a JSON object, got {type(hf_config).__name__}")
+  try:
+    llama.from_hf_config(hf_config)
+  except ValueError as e:
+    raise ModelError(f"{config_path}: {e}") from None
+  return hf_config
+
+
 def _read_hf_folder(folder: pathlib.Path) -> tuple[dict, dict[str, np.ndarray], str]:
   from safetensors.numpy import load_file
 
-  config_path = folder / "config.json"
-  try:
-    hf_config = json.loads(config_path.read_text())
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{config_path}: line {e.lineno}: invalid JSON ({e.msg})") from None
-  try:
-    llama.from_hf_config(hf_config)  # refuse an unsupported architecture before reading any weights
-  except ValueError as e:
-    raise ValueError(f"{config_path}: {e}") from None
+  hf_config = read_hf_config(folder)
   files = sorted(folder.glob("*.safetensors"))
   index = folder / "model.safetensors.index.json"
   if index.is_file():
