@@ -385,6 +385,15 @@ def setup(cfg: config_lib.TrainConfig) -> tuple[Run, RunState]:
   if cfg.compile_cache and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(cfg.compile_cache).expanduser()))
   files = RunFiles(cfg.output_dir, writer=sharding_lib.is_main_process())
+  files.lock()  # held until `train` ends: a second process on this run directory is refused
+  try:
+    return _setup(cfg, files, t_start)
+  except BaseException:
+    files.unlock()
+    raise
+
+
+def _setup(cfg: config_lib.TrainConfig, files: RunFiles, t_start: float) -> tuple[Run, RunState]:
   if not cfg.resume and files.holds_a_run():
     raise config_lib.ConfigError(
         f"{files.dir} already holds a run (metrics.jsonl or checkpoints/). Pass --resume to continue it, "
@@ -717,6 +726,13 @@ class RunResult:
 
 def train(cfg: config_lib.TrainConfig) -> RunResult:
   run, state = setup(cfg)
+  try:
+    return _train(run, state)
+  finally:
+    run.files.unlock()
+
+
+def _train(run: Run, state: RunState) -> RunResult:
   state, iterator = start_or_resume(run, state)
   batches = DevicePrefetch(iterator, run.mesh.put_batch)
   try:

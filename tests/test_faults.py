@@ -5,6 +5,7 @@ good checkpoint."""
 
 import errno
 import json
+import logging
 import os
 import pathlib
 import subprocess
@@ -113,3 +114,132 @@ def test_unsupported_architecture_prints_no_traceback_from_the_shell(bert_dir, t
                      capture_output=True, text=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
   assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
   assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "bert" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# export never deletes what it exports from.
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, tokenizer):
+  from tuned_tiny import make_adapter, make_model_dir, make_run_dir
+
+  root = tmp_path_factory.mktemp("faults-export")
+  model = make_model_dir(root / "base", tokenizer)
+  run = make_run_dir(root / "runs" / "run", model, make_adapter(model, root / "adapter"))
+  (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+  (run / "checkpoints" / "1").mkdir(parents=True)
+  return {"root": root, "model": model, "run": run}
+
+
+def tree(folder: pathlib.Path) -> dict[str, int]:
+  return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_export_refuses_an_out_that_is_contains_or_lies_inside_its_source(tiny_run, tmp_path, capsys):
+  from jaxsft import export
+
+  run, model = tiny_run["run"], tiny_run["model"]
+  (tmp_path / "notes").mkdir()
+  (tmp_path / "notes" / "todo.txt").write_text("mine")
+  before = {p: tree(p) for p in (tiny_run["root"], tmp_path)}
+  cases = {
+      "the run": ([str(run)], run, "overlaps the run"),
+      "the run's parent": ([str(run)], run.parent, "overlaps the run"),
+      "inside the run": ([str(run)], run / "exported", "overlaps the run"),
+      "the adapter": (["--model", str(model), "--adapter", str(run / "adapter")], run / "adapter", "overlaps the adapter"),
+      "the base model": (["--model", str(model), "--adapter", str(run / "adapter")], model, "overlaps the model"),
+      "no earlier export": ([str(run)], tmp_path / "notes", "not one"),
+  }
+  for name, (source, out, message) in cases.items():
+    assert export.main([*source, "--out", str(out), "--overwrite"]) == 2, name
+    line = error_line(capsys)
+    assert message in line, (name, line)
+  assert {p: tree(p) for p in before} == before  # nothing deleted, nothing written
+
+
+# ---------------------------------------------------------------------------------------------
+# One writer per run directory.
+
+_HOLD_LOCK = """
+import sys, time
+from jaxsft.run_files import RunLock
+RunLock(sys.argv[1]).acquire()
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+class LogLines(logging.Handler):
+  """The messages of one jaxsft logger (jaxsft's loggers do not propagate to caplog's root)."""
+
+  def __init__(self, name: str):
+    super().__init__()
+    self.logger, self.messages = logging.getLogger(name), []
+
+  def emit(self, record):
+    self.messages.append(record.getMessage())
+
+  def __enter__(self):
+    self.logger.addHandler(self)
+    return self.messages
+
+  def __exit__(self, *exc):
+    self.logger.removeHandler(self)
+
+
+def test_a_run_directory_has_one_writer_and_a_dead_writers_lock_is_taken_over(tmp_path, capsys):
+  from jaxsft import run_files, train
+
+  run = tmp_path / "run"
+  holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(run)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+  try:
+    assert holder.stdout.readline().strip() == "locked"
+    with pytest.raises(run_files.RunLocked, match=f"pid {holder.pid} on "):
+      run_files.RunLock(run).acquire()
+    # The command refuses before loading anything (the second of two runs started together).
+    assert train.main(["--output-dir", str(run), "--max-steps", "1"]) == 2
+    line = error_line(capsys)
+    assert f"pid {holder.pid}" in line and "--output-dir" in line
+    assert sorted(p.name for p in run.iterdir()) == ["run.lock"]
+  finally:
+    holder.kill()  # as kill -9: the lock file stays, its flock goes with the process
+    holder.wait()
+  assert (run / "run.lock").exists()
+  with LogLines("jaxsft.run_files") as messages:
+    lock = run_files.RunLock(run).acquire()
+  assert len(messages) == 1 and f"pid {holder.pid}" in messages[0] and "stale" in messages[0]
+  assert json.loads((run / "run.lock").read_text())["pid"] == os.getpid()
+  lock.release()
+  assert not (run / "run.lock").exists()
+
+
+def test_a_refused_run_leaves_no_folder_behind(tmp_path, capsys):
+  from jaxsft import train
+
+  out = tmp_path / "new-run"
+  assert train.main(["--output-dir", str(out), "--data.max_length", "0"]) == 2
+  assert "data.max_length" in error_line(capsys)
+  assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics.jsonl after a crash.
+
+
+def test_a_cut_last_metrics_line_is_ignored_and_dropped_on_resume(tmp_path):
+  from jaxsft import run_files
+
+  files = run_files.RunFiles(tmp_path)
+  lines = ['{"event": "config", "steps_per_epoch": 4}', '{"step": 1, "loss": 2.5}', '{"step": 2, "loss": 2.25}']
+  files.metrics.write_text("\n".join(lines) + '\n{"step": 3, "lo')  # the crash cut the last write
+  log = run_files.read_metrics(tmp_path)
+  assert log.train_steps == [1, 2] and log.train_loss == [2.5, 2.25]
+  files.truncate_metrics(last_step=2)
+  assert files.metrics.read_text().splitlines() == lines
+  files.log({"step": 3, "loss": 2.0})
+  assert run_files.read_metrics(tmp_path).train_steps == [1, 2, 3]
+  # A damaged line anywhere else is still named.
+  files.metrics.write_text(lines[0] + '\n{"step": 1, "lo\n' + lines[2] + "\n")
+  with pytest.raises(run_files.MetricsError, match=r"metrics.jsonl:2: not valid JSON"):
+    run_files.read_metrics(tmp_path)
