@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -243,3 +244,57 @@ def test_a_cut_last_metrics_line_is_ignored_and_dropped_on_resume(tmp_path):
   files.metrics.write_text(lines[0] + '\n{"step": 1, "lo\n' + lines[2] + "\n")
   with pytest.raises(run_files.MetricsError, match=r"metrics.jsonl:2: not valid JSON"):
     run_files.read_metrics(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Values checked where they are read: the config at parse time, an adapter's config on load.
+
+
+def test_config_ranges_are_checked_at_parse_time_naming_the_key():
+  from jaxsft import config
+
+  for args, key in ((["--lr=-1e-3"], "optim.lr"), (["--lr", "-0.001"], "optim.lr"), (["--lr", "nan"], "optim.lr"),
+                    (["data.tokens_per_batch=0"], "data.tokens_per_batch"),
+                    (["data.tokens_per_batch=-8"], "data.tokens_per_batch"),
+                    (["--data.max_length", "0"], "data.max_length"), (["--data.num_buckets", "0"], "data.num_buckets"),
+                    (["data.bucket_lengths=[64,0]"], "data.bucket_lengths"), (["optim.grad_accum=0"], "optim.grad_accum"),
+                    (["data.val_fraction=1"], "data.val_fraction"), (["keep_checkpoints=0"], "keep_checkpoints"),
+                    (["lora.r=0"], "lora.r"), (["lora.alpha=inf"], "lora.alpha")):
+    with pytest.raises(config.ConfigError, match=key.replace(".", r"\.")):
+      config.parse_args(args)
+  cfg = config.parse_args(["--lr", "1e-3", "data.tokens_per_batch=4096", "mesh.data=-1", "data.val_fraction=0"])
+  assert cfg.optim.lr == 1e-3 and cfg.data.tokens_per_batch == 4096
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("r", 0, "r must be a whole number >= 1"), ("r", 16.7, "r must be a whole number >= 1"),
+    ("lora_alpha", float("nan"), "lora_alpha must be a finite number > 0"),
+    ("lora_dropout", 1.5, "lora_dropout must be in [0, 1)"), ("r", True, "field r is missing or not a number")])
+def test_adapter_config_values_are_checked_like_the_config(tiny_run, tmp_path, field, value, message):
+  import shutil
+
+  from jaxsft import lora
+
+  adapter = shutil.copytree(tiny_run["run"] / "adapter", tmp_path / "adapter")
+  config = json.loads((adapter / "adapter_config.json").read_text())
+  (adapter / "adapter_config.json").write_text(json.dumps({**config, field: value}))
+  with pytest.raises(lora.AdapterError, match=re.escape(message)):
+    lora._read_adapter_config(adapter / "adapter_config.json")
+
+
+def test_bad_adapters_in_chat_are_one_error_line(tiny_run, tmp_path, capsys):
+  import shutil
+
+  from jaxsft import chat
+
+  zero = shutil.copytree(tiny_run["run"] / "adapter", tmp_path / "r0")
+  config = json.loads((zero / "adapter_config.json").read_text())
+  (zero / "adapter_config.json").write_text(json.dumps({**config, "r": 0}))
+  huge = shutil.copytree(tiny_run["run"] / "adapter", tmp_path / "huge-header")
+  (huge / "adapter_model.safetensors").write_bytes((2**40).to_bytes(8, "little") + b"{}")
+  deep = shutil.copytree(tiny_run["run"] / "adapter", tmp_path / "deep")
+  (deep / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
+  for adapter, message in ((zero, "field r must be a whole number"), (huge, "not a readable safetensors file"),
+                           (deep, "nested too deeply")):
+    assert chat.main(["--model", str(tiny_run["model"]), "--adapter", str(adapter), "--prompt", "hi"]) == 2
+    assert message in error_line(capsys), adapter

@@ -186,11 +186,16 @@ def _read_hf_folder(folder: pathlib.Path) -> tuple[dict, dict[str, np.ndarray], 
 
 def _load_safetensors(path: pathlib.Path, load_file) -> dict[str, np.ndarray]:
   try:
-    return load_file(str(path))
-  except TypeError:  # bfloat16 is not a numpy dtype: go through flax/jax
-    from safetensors.flax import load_file as load_jax
+    try:
+      return load_file(str(path))
+    except TypeError:  # bfloat16 is not a numpy dtype: go through flax/jax
+      from safetensors.flax import load_file as load_jax
 
-    return {k: np.asarray(v.astype("float32")) for k, v in load_jax(str(path)).items()}
+      return {k: np.asarray(v.astype("float32")) for k, v in load_jax(str(path)).items()}
+  except OSError:
+    raise
+  except Exception as e:  # safetensors' own SafetensorError (a bad header), or a length it cannot allocate
+    raise ModelError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
 
 
 # ---------------------------------------------------------------------------------------------
