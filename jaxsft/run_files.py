@@ -109,6 +109,17 @@ def replace_directory(target: str | os.PathLike, fill: Callable[[pathlib.Path], 
   return target
 
 
+def remove_directory(target: str | os.PathLike) -> None:
+  """Removes `target` whole for a reader: renamed away first (one atomic step), then deleted; a
+  crash mid-delete leaves a hidden temp that `remove_leftovers` removes."""
+  target = pathlib.Path(target)
+  if not target.exists():
+    return
+  aside = pathlib.Path(tempfile.mkdtemp(prefix=_temp_prefix(target), suffix=".tmp", dir=target.parent))
+  os.replace(target, aside)  # over the fresh empty folder: atomic
+  shutil.rmtree(aside, ignore_errors=True)
+
+
 def _temp_prefix(target: pathlib.Path) -> str:
   return f".{target.name}.{_host()}-{os.getpid()}."
 

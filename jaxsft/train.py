@@ -33,6 +33,7 @@ from jaxsft import data as data_lib
 from jaxsft import errors
 from jaxsft import lora as lora_lib
 from jaxsft import models
+from jaxsft import run_files
 from jaxsft import sharding as sharding_lib
 from jaxsft import step as step_lib
 from jaxsft.errors import JaxsftError
@@ -590,9 +591,12 @@ def account_step(run: Run, state: RunState, record: dict) -> None:
                 record["step"], record["loss"], record["grad_norm"])
     if state.nonfinite_in_row >= run.cfg.max_nonfinite_steps:
       run.files.log(record)
+      kept = discard_poisoned_checkpoint(run, state, first_bad_step=record["step"] - state.nonfinite_in_row + 1)
       raise TrainingError(
           f"{state.nonfinite_in_row} consecutive steps with a non-finite loss or gradient (step {record['step']}); "
-          f"stopping. Lower the learning rate or check the data. The last good checkpoint and adapter are kept.")
+          f"stopping. Lower the learning rate or check the data. " +
+          (f"The newest good checkpoint (step {kept}) and its adapter are kept." if kept is not None else
+           "No checkpoint with finite weights was saved before the run diverged."))
     return
   state.nonfinite_in_row = 0
   if record["epoch"] != state.epoch and state.epoch_valid:
@@ -605,13 +609,55 @@ def account_step(run: Run, state: RunState, record: dict) -> None:
   state.last_loss = record["loss"]
 
 
-def save_checkpoint(run: Run, state: RunState) -> None:
+def all_finite(tree) -> bool:
+  """Every value of `tree` finite, checked on the host (no new executable after warm-up)."""
+  return all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(jax.device_get(tree))
+             if np.issubdtype(np.asarray(x).dtype, np.inexact))
+
+
+def save_checkpoint(run: Run, state: RunState) -> bool:
+  """Saves a checkpoint and the adapter (or the full model) of `state`, only after a finite,
+  applied update and with finite weights and optimizer state: a diverging run never rotates
+  its last good checkpoints out for poisoned ones. Returns whether it saved."""
+  if state.nonfinite_in_row:
+    log.warning("step %d: no checkpoint saved: the step's update was skipped (non-finite)", state.step)
+    return False
+  if not all_finite((state.lora, state.opt_state)):
+    log.warning("step %d: no checkpoint saved: the weights or the optimizer state hold non-finite values", state.step)
+    return False
   run.checkpoints.save(state)
   model = nnx.merge(run.graphdef, state.lora, run.frozen)
   if run.cfg.mode == "full":
     save_full_model(run, model)
   else:
     run.files.save_adapter(model, run.cfg.model.name)
+  return True
+
+
+def discard_poisoned_checkpoint(run: Run, state: RunState, first_bad_step: int) -> int | None:
+  """When the run diverged right after its newest checkpoint (the first non-finite loss was
+  computed at the saved weights), that checkpoint is no good: it is deleted and the adapter (or
+  full model) rewritten from the newest one left. Returns the step of the newest good one."""
+  checkpoints = run.checkpoints
+  checkpoints.manager.wait_until_finished()
+  newest = checkpoints.manager.latest_step()
+  if newest is None or newest != first_bad_step - 1:
+    return newest
+  log.warning("checkpoint %d: its weights gave a non-finite loss at step %d; deleting it", newest, first_bad_step)
+  checkpoints.manager.delete(newest)
+  good = checkpoints.manager.latest_step()
+  if good is None:
+    if run.files.writer:
+      for name in ("adapter", "model"):
+        run_files.remove_directory(run.files.dir / name)
+    return None
+  restored = checkpoints._restore(good, state, lambda data_state: None)
+  model = nnx.merge(run.graphdef, restored.lora, run.frozen)
+  if run.cfg.mode == "full":
+    save_full_model(run, model)
+  else:
+    run.files.save_adapter(model, run.cfg.model.name)
+  return good
 
 
 def save_full_model(run: Run, model) -> None:

@@ -298,3 +298,43 @@ def test_bad_adapters_in_chat_are_one_error_line(tiny_run, tmp_path, capsys):
                            (deep, "nested too deeply")):
     assert chat.main(["--model", str(tiny_run["model"]), "--adapter", str(adapter), "--prompt", "hi"]) == 2
     assert message in error_line(capsys), adapter
+
+
+# ---------------------------------------------------------------------------------------------
+# A diverging run keeps its last good checkpoint.
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+  from tiny_model import make_tiny_model_dir
+
+  return make_tiny_model_dir(tmp_path_factory.mktemp("faults-tiny") / "model", tokenizer)
+
+
+def tiny_train_args(model_dir, out, *extra):
+  return ["--model", str(model_dir), "--output-dir", str(out), "data.synthetic_size=48", "data.batch_size=8",
+          "data.num_buckets=1", "data.tokens_per_batch=none", "eval.eval_every=0", "eval.generate=false",
+          "--no-progress", "--model.dtype", "float32", *extra]
+
+
+def test_a_diverging_run_saves_no_poisoned_checkpoint_and_keeps_the_last_good_one(tiny_model_dir, tmp_path, capsys):
+  """lr 1e38 after a linear warm-up from 0: step 1's update is zero (good weights), step 2's
+  throws the weights to ~1e38 (finite, but every later loss is NaN), steps 3-4 are skipped."""
+  import numpy as np
+
+  from jaxsft import lora, models, run_files, train
+
+  out = tmp_path / "run"
+  code = train.main(tiny_train_args(tiny_model_dir, out, "--lr", "1e38", "optim.schedule=constant",
+                                    "optim.warmup_steps=4", "save_every=1", "max_steps=8", "max_nonfinite_steps=2",
+                                    "data.val_fraction=0"))
+  assert code == 2
+  line = error_line(capsys)
+  assert "non-finite" in line and "newest good checkpoint (step 1)" in line, line
+  assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["1"]  # 2 was deleted, 3 and 4 never saved
+  records = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+  assert [r.get("skipped", False) for r in records] == [False, False, True, True]
+  model, _ = models.load_model(str(tiny_model_dir))
+  lora.load_adapter(model, out / "adapter")  # rewritten from checkpoint 1: finite, as the weights of step 1
+  assert all(np.isfinite(np.asarray(x)).all() for x in lora.adapter_tensors(model).values())
+  assert not any(run_files._TEMP.match(p.name) for p in out.iterdir())
