@@ -299,6 +299,9 @@ def _read_holder(fd: int) -> str:
 # The run directory.
 
 
+ORBAX_TEMP = ".orbax-checkpoint-tmp"  # orbax's name for a step folder before its commit
+
+
 class RunFiles:
   """A run directory: metrics.jsonl (appended, one line per record), JSON files, the adapter.
 
@@ -326,6 +329,11 @@ class RunFiles:
       if match:
         for removed in remove_leftovers(self.dir / match["name"]):
           log.info("removed %s, left by a writer that stopped mid-write", removed)
+    # A checkpoint save killed before orbax's commit (the rename of its temp folder) leaves the
+    # temp: never restored (orbax lists committed steps only), removed here.
+    for path in sorted(self.checkpoints.glob(f"*{ORBAX_TEMP}*")) if self.checkpoints.is_dir() else ():
+      shutil.rmtree(path, ignore_errors=True)
+      log.info("removed %s, an unfinished checkpoint save", path)
     return self._lock
 
   def unlock(self) -> None:

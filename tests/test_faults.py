@@ -9,6 +9,7 @@ import logging
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -338,3 +339,118 @@ def test_a_diverging_run_saves_no_poisoned_checkpoint_and_keeps_the_last_good_on
   lora.load_adapter(model, out / "adapter")  # rewritten from checkpoint 1: finite, as the weights of step 1
   assert all(np.isfinite(np.asarray(x)).all() for x in lora.adapter_tensors(model).values())
   assert not any(run_files._TEMP.match(p.name) for p in out.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------
+# Fault injection: the writer dies at each point of the adapter swap, the checkpoint save and
+# the export (tests/crash_writer.py); every reader afterwards finds a whole old or whole new
+# artifact, and the next start of the writer removes what the dead one left.
+
+CRASH_WRITER = ROOT / "tests" / "crash_writer.py"
+
+
+def crash_runs(kind: str, folders: list[pathlib.Path], *args: str, env=None) -> tuple[int, list]:
+  """Runs the writer to completion in folders[0] (to count its points), then once per point in
+  folders[1:] in parallel, each dying at its point. Returns (points, results of the crash runs)."""
+  env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+
+  def start(folder, n):
+    return subprocess.Popen([sys.executable, str(CRASH_WRITER), kind, str(folder), str(n), *map(str, args)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+  whole = start(folders[0], 10**6)
+  out, err = whole.communicate(timeout=600)
+  assert whole.returncode == 0, err[-3000:]
+  points = int(err.split("completed after ")[1].split()[0])
+  assert points >= 2, err
+  runs = [start(folders[n], n) for n in range(1, points + 1)]
+  results = []
+  for n, run in enumerate(runs, 1):
+    out, err = run.communicate(timeout=600)
+    assert run.returncode == 86, (n, err[-3000:])  # died where it was told to
+    results.append(err)
+  return points, results
+
+
+def hidden(folder: pathlib.Path) -> list[str]:
+  return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "two-renames"])
+def test_killed_adapter_swap_leaves_a_whole_adapter(tmp_path, exchange):
+  from jaxsft import run_files
+
+  def version_of(adapter: pathlib.Path) -> str:
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    weights = (adapter / "adapter_model.safetensors").read_bytes()
+    assert weights == config["version"].encode() * 1000, "a mix of two adapters"
+    return config["version"]
+
+  env = {} if exchange else {"CRASH_WRITER_NO_EXCHANGE": "1"}
+  runs = [tmp_path / f"run{n}" for n in range(12)]
+  for run in runs:
+    run_files.replace_directory(run / "adapter", lambda tmp: (
+        run_files.write_json(tmp / "adapter_config.json", {"peft_type": "LORA", "version": "old"}),
+        run_files.atomic_write(tmp / "adapter_model.safetensors", lambda f: f.write(b"old" * 1000), binary=True)))
+  points, _ = crash_runs("adapter", runs, "new", env=env)
+  assert points < len(runs)
+  assert version_of(runs[0] / "adapter") == "new"
+  seen = set()
+  for run in runs[1:points + 1]:
+    if exchange:  # the reader right after the crash, before any writer starts again
+      seen.add(version_of(run / "adapter"))
+    files = run_files.RunFiles(run)
+    files.lock()  # the next start of the writer: the dead writer's temps go (its .old copy comes back)
+    files.unlock()
+    seen.add(version_of(run / "adapter"))
+    assert hidden(run) == [], hidden(run)
+  assert seen == {"old", "new"}
+
+
+def test_killed_checkpoint_save_leaves_the_old_or_the_new_checkpoint_whole(tmp_path):
+  import jax.numpy as jnp
+
+  from jaxsft import run_files, train
+
+  runs = [tmp_path / f"run{n}" for n in range(8)]
+  points, _ = crash_runs("checkpoint", runs)
+  restored = set()
+  for run in runs[:points + 1]:
+    files = run_files.RunFiles(run)
+    files.lock()  # the next start of the trainer
+    files.unlock()
+    template = train.RunState(lora={"a": jnp.zeros((4, 3))}, opt_state={"m": jnp.zeros((3,))})
+    checkpoints = train.Checkpoints(files, keep=2)
+    try:
+      state = checkpoints.restore_newest(template, lambda data_state: None)
+    finally:
+      checkpoints.close()
+    step = state.step
+    assert step in (1, 2)
+    assert float(state.lora["a"].min()) == float(state.lora["a"].max()) == step  # whole, of one step
+    assert float(state.opt_state["m"][0]) == -step and state.data_state == {"position": step}
+    assert state.epoch_nll == step
+    restored.add(step)
+    assert not [p.name for p in (run / "checkpoints").iterdir() if "tmp" in p.name]  # the restart cleaned up
+  assert restored == {1, 2}
+
+
+def test_killed_export_leaves_the_old_or_the_new_export_whole(tiny_run, tmp_path):
+  from jaxsft import export, run_files
+
+  old = export.export(str(tiny_run["model"]), None, tmp_path / "first")
+  old_tree = tree(old)
+  outs = [tmp_path / f"out{n}" for n in range(8)]
+  for out in outs:
+    shutil.copytree(old, out)
+  # Each run re-exports over an earlier export with --overwrite, as GGUF (a different tree).
+  points, _ = crash_runs("export", outs, "--model", str(tiny_run["model"]), "--format", "gguf", "--overwrite",
+                         "--out")  # crash_writer puts the folder after --out
+  new_tree = tree(outs[0])
+  assert new_tree != old_tree and "model.gguf" in new_tree
+  found = set()
+  for out in outs[1:points + 1]:
+    found.add("new" if tree(out) == new_tree else "old" if tree(out) == old_tree else f"broken {tree(out)}")
+    run_files.remove_leftovers(out)  # as the next export to `out` does first
+    assert [name for name in hidden(out.parent) if name.startswith(f".{out.name}.")] == []
+  assert found <= {"old", "new"} and "old" in found, found
