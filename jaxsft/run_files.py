@@ -394,6 +394,7 @@ class MetricsLog:
   val_loss: list[float]
   steps_per_epoch: int | None
   epoch_end_steps: list[int] = dataclasses.field(default_factory=list)
+  train_grad_norm: list[float] = dataclasses.field(default_factory=list)  # per train step, when every line has it
 
 
 def metrics_path(run_dir_or_file: str | os.PathLike) -> pathlib.Path:
@@ -439,6 +440,7 @@ def read_metrics(run_dir_or_file: str | os.PathLike) -> MetricsLog:
     raise FileNotFoundError(f"no metrics file at {path}" + (
         "" if path.parent.is_dir() else f" ({path.parent} does not exist)"))
   train: dict[int, float] = {}
+  grad_norm: dict[int, float] = {}
   val: dict[int, float] = {}
   epoch_ends: dict[int, int] = {}
   steps_per_epoch = None
@@ -454,6 +456,8 @@ def read_metrics(run_dir_or_file: str | os.PathLike) -> MetricsLog:
     step = _number(obj, "step", where, integer=True)
     if "loss" in obj:
       train[step] = _number(obj, "loss", where)
+      if "grad_norm" in obj:
+        grad_norm[step] = _number(obj, "grad_norm", where)
     if "val_loss" in obj:
       val[step] = _number(obj, "val_loss", where)
     if "epoch" in obj:
@@ -464,5 +468,6 @@ def read_metrics(run_dir_or_file: str | os.PathLike) -> MetricsLog:
   ends = [epoch_ends[e] for e in sorted(epoch_ends)]
   if steps_per_epoch is None and ends:
     steps_per_epoch = ends[0] - train_steps[0] + 1  # the first epoch's steps
+  grads = [grad_norm[s] for s in train_steps] if all(s in grad_norm for s in train_steps) else []
   return MetricsLog(path, train_steps, [train[s] for s in train_steps], val_steps,
-                    [val[s] for s in val_steps], steps_per_epoch, ends)
+                    [val[s] for s in val_steps], steps_per_epoch, ends, grads)

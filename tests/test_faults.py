@@ -454,3 +454,24 @@ def test_killed_export_leaves_the_old_or_the_new_export_whole(tiny_run, tmp_path
     run_files.remove_leftovers(out)  # as the next export to `out` does first
     assert [name for name in hidden(out.parent) if name.startswith(f".{out.name}.")] == []
   assert found <= {"old", "new"} and "old" in found, found
+
+
+def test_doctor_calls_a_collapse_to_the_uniform_loss_diverging_not_flat(tmp_path):
+  """lr 1e4: one update throws the weights where the output is flat; the loss sits at
+  ln(vocab) and the gradients are 0 from then on."""
+  import math
+
+  from jaxsft import doctor
+
+  uniform = math.log(49152)
+  losses = [2.3] + [uniform] * 19
+  grads = [3.1] + [0.0] * 19
+  lines = [{"event": "config", "steps_per_epoch": 20}]
+  lines += [{"step": i + 1, "loss": loss, "grad_norm": g} for i, (loss, g) in enumerate(zip(losses, grads))]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+  diagnosis = doctor.diagnose_run(tmp_path)
+  assert diagnosis.pattern == "diverging", diagnosis.report()
+  assert "gradients vanished" in diagnosis.summary and "raise the learning rate" not in diagnosis.report()
+  # The same curve with its gradients alive is not called a collapse (the rule needs both signs).
+  alive = doctor.diagnose(list(range(1, 21)), losses, grad_norm=[3.1] * 20)
+  assert "gradients vanished" not in alive.summary
