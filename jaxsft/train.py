@@ -12,6 +12,7 @@ the run writes is `jaxsft.run_files`. Everything the loop changes lives in one `
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -253,6 +254,42 @@ class SavedIteratorState:
     pass
 
 
+@contextlib.contextmanager
+def _drain_orbax_loop_on_failure():
+  """Lets a failed orbax restore finish its other reads before orbax closes its event loop.
+
+  Orbax runs a restore as one `asyncio.gather` of every array read on a fresh event loop, closed
+  as soon as the gather returns. When one read fails (a damaged checkpoint) the gather raises at
+  once while the other reads are still running in tensorstore; each of those, on completion,
+  schedules its callback on the closed loop and prints a "RuntimeError: Event loop is closed"
+  traceback (one per array). Here the loop first runs its remaining tasks to the end, then closes:
+  same result, same exception, no orphaned reads.
+  """
+  import asyncio
+
+  from orbax.checkpoint._src import asyncio_utils
+
+  original = asyncio_utils._run_sync_via_new_loop
+
+  def run_then_drain(coro):
+    loop = asyncio.new_event_loop()
+    try:
+      asyncio.set_event_loop(loop)
+      return loop.run_until_complete(coro)
+    finally:
+      pending = asyncio.all_tasks(loop)
+      if pending:
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+      asyncio.set_event_loop(None)
+      loop.close()
+
+  asyncio_utils._run_sync_via_new_loop = run_then_drain
+  try:
+    yield
+  finally:
+    asyncio_utils._run_sync_via_new_loop = original
+
+
 class Checkpoints:
   """Orbax checkpoints of a `RunState` under RUN_DIR/checkpoints/<step>.
 
@@ -284,9 +321,10 @@ class Checkpoints:
     import orbax.checkpoint as ocp
 
     holder = SavedIteratorState()
-    restored = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore({"lora": template.lora, "opt_state": template.opt_state}),
-        data_iter=grain.checkpoint.CheckpointRestore(holder), meta=ocp.args.JsonRestore()))
+    with _drain_orbax_loop_on_failure():
+      restored = self.manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore({"lora": template.lora, "opt_state": template.opt_state}),
+          data_iter=grain.checkpoint.CheckpointRestore(holder), meta=ocp.args.JsonRestore()))
     restore_data_position(holder.state)
     scalars = {k: v for k, v in restored["meta"].items() if k in RunState.SCALARS}
     return RunState(lora=restored["state"]["lora"], opt_state=restored["state"]["opt_state"], step=step,

@@ -475,3 +475,29 @@ def test_doctor_calls_a_collapse_to_the_uniform_loss_diverging_not_flat(tmp_path
   # The same curve with its gradients alive is not called a collapse (the rule needs both signs).
   alive = doctor.diagnose(list(range(1, 21)), losses, grad_norm=[3.1] * 20)
   assert "gradients vanished" not in alive.summary
+
+
+_RESTORE = """
+import sys
+import jax.numpy as jnp
+from jaxsft import run_files, train
+checkpoints = train.Checkpoints(run_files.RunFiles(sys.argv[1]), keep=2)
+template = train.RunState(lora={"a": jnp.zeros((4, 3))}, opt_state={"m": jnp.zeros((3,))})
+print("restored", checkpoints.restore_newest(template, lambda data_state: None).step, file=sys.stderr)
+checkpoints.close()
+"""
+
+
+def test_skipping_a_damaged_checkpoint_prints_no_event_loop_tracebacks(tmp_path):
+  run = tmp_path / "run"
+  writer = subprocess.run([sys.executable, str(CRASH_WRITER), "checkpoint", str(run), str(10**6)], cwd=ROOT,
+                                    capture_output=True, text=True, timeout=600)
+  assert writer.returncode == 0, writer.stderr[-3000:]
+  chunks = sorted((run / "checkpoints" / "2" / "state" / "d").iterdir())
+  assert chunks
+  for chunk in chunks:  # every array chunk of step 2 cut short
+    chunk.write_bytes(chunk.read_bytes()[:20])
+  r = subprocess.run([sys.executable, "-c", _RESTORE, str(run)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "checkpoint" in r.stderr and "is damaged" in r.stderr and "restored 1" in r.stderr
+  assert "Traceback" not in r.stderr and "Event loop is closed" not in r.stderr, r.stderr[-3000:]
