@@ -501,3 +501,18 @@ def test_skipping_a_damaged_checkpoint_prints_no_event_loop_tracebacks(tmp_path)
   assert r.returncode == 0, r.stderr[-3000:]
   assert "checkpoint" in r.stderr and "is damaged" in r.stderr and "restored 1" in r.stderr
   assert "Traceback" not in r.stderr and "Event loop is closed" not in r.stderr, r.stderr[-3000:]
+
+
+def test_json_nested_100000_deep_is_a_data_error_naming_the_file(tmp_path, capsys):
+  from jaxsft import data as data_lib
+  from jaxsft.data import __main__ as data_main
+
+  array = tmp_path / "deep.json"
+  array.write_text("[" * 100_000 + "]" * 100_000)
+  lines = tmp_path / "deep.jsonl"
+  lines.write_text('{"instruction": "a", "output": "b"}\n' + '{"a": ' * 100_000 + "1" + "}" * 100_000 + "\n")
+  for path, where in ((array, "line 1"), (lines, "line 2")):
+    with pytest.raises(data_lib.DataError, match=rf"{re.escape(str(path))}: {where}: .*nested deeper"):
+      data_lib.load_records(str(path))
+  assert data_main.main(["build", "--data", str(array), "--cache-dir", str(tmp_path / "tokens")]) == 2
+  assert "nested deeper" in error_line(capsys)

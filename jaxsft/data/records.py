@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import pathlib
+import sys
 from typing import Any, Callable, Iterator
 
 from jaxsft.errors import JaxsftError
@@ -252,6 +253,8 @@ def _read_jsonl(f) -> Iterator[tuple[str, Any]]:
       raw = json.loads(line.rstrip("\r\n"))  # columns count within the line, not past its newline
     except json.JSONDecodeError as e:
       raw = _BadLine(f"invalid JSON: {e.msg} (column {e.colno})")
+    except RecursionError:
+      raw = _BadLine(f"JSON nested deeper than Python's recursion limit ({sys.getrecursionlimit()})")
     yield f"line {lineno}", raw
 
 
@@ -339,6 +342,8 @@ def _read_json_array(f, path: str) -> Iterator[tuple[str, Any]]:
         try:
           raw, end = decoder.raw_decode(buf, pos)
           break
+        except RecursionError:
+          fail(f"nested deeper than Python's recursion limit ({sys.getrecursionlimit()})", pos)
         except json.JSONDecodeError as e:
           # A cut-off element fails near the buffer's end (a literal or number cut short) or in an
           # unterminated string; anything else is bad JSON whatever follows.
