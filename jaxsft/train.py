@@ -166,10 +166,11 @@ class DevicePrefetch:
   the position of the last consumed batch, not of the prefetched ones.
   """
 
-  def __init__(self, iterator, put_on_device, size: int = 2):
+  def __init__(self, iterator, put_on_device, size: int = 2, stats: data_lib.PipelineStats | None = None):
     self._queue: queue.Queue = queue.Queue(maxsize=size)
     self._iterator = iterator
     self._put = put_on_device
+    self._stats = stats
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, daemon=True)
     self._thread.start()
@@ -182,6 +183,8 @@ class DevicePrefetch:
         state = self._iterator.get_state()
         host = {"epoch": int(batch.get("epoch", 0)), "real_tokens": int(batch["attention_mask"].sum()),
                 "shape": tuple(batch["input_ids"].shape)}
+        if self._stats is not None:  # the pipeline's counts as of this batch (for the checkpoint)
+          host["data_stats"] = dataclasses.asdict(self._stats)
         self._queue.put((self._put({k: batch[k] for k in step_lib.BATCH_KEYS if k in batch}), host, state))
       self._queue.put(StopIteration)
     except BaseException as e:  # surfaced in the training thread
@@ -230,9 +233,10 @@ class RunState:
   last_loss: float | None = None
   val_loss: float | None = None
   val_step: int | None = None  # the step `val_loss` was measured at
+  data_stats: dict | None = None  # the pipeline's counters as of the last consumed batch
 
   SCALARS = ("epoch", "epoch_nll", "epoch_valid", "first_val_loss", "best_val", "bad_evals",
-             "nonfinite_in_row", "last_loss", "val_loss", "val_step")
+             "nonfinite_in_row", "last_loss", "val_loss", "val_step", "data_stats")
 
   def scalars(self) -> dict[str, Any]:
     return {name: getattr(self, name) for name in self.SCALARS}
@@ -511,6 +515,11 @@ def start_or_resume(run: Run, fresh: RunState):
   state = run.checkpoints.restore_newest(fresh, restore_data_position) if cfg.resume else None
   if state is not None:
     run.files.truncate_metrics(state.step)
+    if state.data_stats:  # the run's data counts go on from the checkpoint's, not from zero
+      for name, value in state.data_stats.items():
+        if name == "dropped_per_epoch":
+          value = {int(epoch): count for epoch, count in value.items()}
+        setattr(run.data.stats, name, value)
     log.info("resumed from step %d", state.step)
   else:
     if cfg.resume:
@@ -569,6 +578,7 @@ def train_step(run: Run, state: RunState, batches: DevicePrefetch) -> dict | Non
     except StopIteration:
       break
     wait += time.time() - t_wait
+    state.data_stats = host.get("data_stats", state.data_stats)
     micro.append(batch)
     tokens += host["shape"][0] * host["shape"][1]
     real += host["real_tokens"]
@@ -818,7 +828,7 @@ def train(cfg: config_lib.TrainConfig) -> RunResult:
 
 def _train(run: Run, state: RunState) -> RunResult:
   state, iterator = start_or_resume(run, state)
-  batches = DevicePrefetch(iterator, run.mesh.put_batch)
+  batches = DevicePrefetch(iterator, run.mesh.put_batch, stats=run.data.stats)
   try:
     stopped_early = run_loop(run, state, batches)
     end_of_run(run, state)

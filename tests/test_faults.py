@@ -516,3 +516,16 @@ def test_json_nested_100000_deep_is_a_data_error_naming_the_file(tmp_path, capsy
       data_lib.load_records(str(path))
   assert data_main.main(["build", "--data", str(array), "--cache-dir", str(tmp_path / "tokens")]) == 2
   assert "nested deeper" in error_line(capsys)
+
+
+def test_summary_data_counts_after_resume_cover_the_whole_run(tiny_model_dir, tmp_path, capsys):
+  from jaxsft import train
+
+  common = ["data.val_fraction=0", "save_every=2", "--lr", "1e-3"]
+  assert train.main(tiny_train_args(tiny_model_dir, tmp_path / "straight", *common, "max_steps=4")) == 0
+  assert train.main(tiny_train_args(tiny_model_dir, tmp_path / "resumed", *common, "max_steps=2")) == 0
+  assert train.main(tiny_train_args(tiny_model_dir, tmp_path / "resumed", *common, "max_steps=4", "--resume")) == 0
+  capsys.readouterr()
+  straight, resumed = (json.loads((tmp_path / name / "summary.json").read_text()) for name in ("straight", "resumed"))
+  assert resumed["steps"] == straight["steps"] == 4
+  assert resumed["data"] == straight["data"], (resumed["data"], straight["data"])
