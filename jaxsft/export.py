@@ -208,9 +208,9 @@ def _gguf_tokenizer_fields(tokenizer, source_gguf: str | None) -> dict[str, Any]
   byte-level BPE fast tokenizer (vocabulary, merges, token types, special ids)."""
   fields: dict[str, Any] = {}
   if source_gguf is not None:
-    from gguf import GGUFReader
+    from jaxsft.models.loading import open_gguf
 
-    reader = GGUFReader(source_gguf)
+    reader = open_gguf(source_gguf)
     for key, field in reader.fields.items():
       if key.startswith("tokenizer."):
         fields[key] = (field.contents(), field.types)

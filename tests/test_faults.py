@@ -529,3 +529,23 @@ def test_summary_data_counts_after_resume_cover_the_whole_run(tiny_model_dir, tm
   straight, resumed = (json.loads((tmp_path / name / "summary.json").read_text()) for name in ("straight", "resumed"))
   assert resumed["steps"] == straight["steps"] == 4
   assert resumed["data"] == straight["data"], (resumed["data"], straight["data"])
+
+
+def test_hostile_model_headers_are_one_error_line(tmp_path, capsys):
+  import struct
+
+  from jaxsft import export
+
+  gguf = tmp_path / "huge.gguf"  # magic, version 3, 2**62 tensors, no metadata
+  gguf.write_bytes(b"GGUF" + struct.pack("<I", 3) + struct.pack("<Q", 2**62) + struct.pack("<Q", 0))
+  folder = tmp_path / "st"
+  folder.mkdir()
+  from jaxsft import models
+  from tiny_model import TINY
+
+  (folder / "config.json").write_text(json.dumps(models.to_hf_config(TINY)))
+  (folder / "model.safetensors").write_bytes((2**40).to_bytes(8, "little") + b"{}")
+  for model, message in ((gguf, "not a readable GGUF file"), (folder, "not a readable safetensors file")):
+    assert export.main(["--model", str(model), "--out", str(tmp_path / "out")]) == 2
+    assert message in error_line(capsys)
+  assert not (tmp_path / "out").exists()

@@ -99,9 +99,9 @@ def load_tokenizer(source: ModelSource | str):
 
 def _gguf_metadata(path: str) -> dict:
   """Every GGUF key-value pair (arrays as lists), read with the `gguf` package."""
-  from gguf import GGUFReader
+  from jaxsft.models.loading import open_gguf
 
-  reader = GGUFReader(path)
+  reader = open_gguf(path)
   return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
 
 

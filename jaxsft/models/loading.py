@@ -202,6 +202,19 @@ def _load_safetensors(path: pathlib.Path, load_file) -> dict[str, np.ndarray]:
 # GGUF
 
 
+def open_gguf(path: str | os.PathLike):
+  """A `gguf.GGUFReader` of `path`; a header it cannot parse (a count or length no file holds,
+  a cut file) is a `ModelError` naming the file."""
+  from gguf import GGUFReader
+
+  try:
+    return GGUFReader(str(path))
+  except OSError:
+    raise
+  except Exception as e:  # the reader's IndexError, ValueError or MemoryError on a hostile header
+    raise ModelError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
 def _field(reader, key: str, default=None):
   field = reader.fields.get(key)
   if field is None:
@@ -373,11 +386,10 @@ def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
 def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
   """`(hf_config, hf_named_float32_tensors)` from a GGUF file, dequantized with numpy, with
   llama.cpp's q/k permutation and Gemma's 1 + w norms undone."""
-  from gguf import GGUFReader
   from gguf.quants import dequantize
 
   path = str(path)
-  reader = GGUFReader(path)
+  reader = open_gguf(path)
   config = gguf_config(reader, path)
   arch = _field(reader, "general.architecture")
   layer_names = gguf_layer_names(arch)
