@@ -549,3 +549,18 @@ def test_hostile_model_headers_are_one_error_line(tmp_path, capsys):
     assert export.main(["--model", str(model), "--out", str(tmp_path / "out")]) == 2
     assert message in error_line(capsys)
   assert not (tmp_path / "out").exists()
+
+
+def test_a_chat_template_the_sandbox_rejects_is_one_error_line_in_chat(tiny_run, tmp_path, capsys):
+  from jaxsft import chat
+
+  model = shutil.copytree(tiny_run["model"], tmp_path / "model")
+  hostile = "{{ ''.__class__.__mro__[1].__subclasses__() }}{% for m in messages %}{{ m.content }}{% endfor %}"
+  if (model / "chat_template.jinja").exists():
+    (model / "chat_template.jinja").write_text(hostile)
+  config = json.loads((model / "tokenizer_config.json").read_text())
+  if "chat_template" in config or not (model / "chat_template.jinja").exists():
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": hostile}))
+  assert chat.main(["--model", str(model), "--prompt", "hi"]) == 2
+  line = error_line(capsys)
+  assert "chat template rejects" in line and "unsafe" in line, line
