@@ -51,7 +51,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[pathlib.Path]:
   """
   path = pathlib.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp", dir=path.parent)
+  fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent)
   os.close(fd)
   tmp = pathlib.Path(tmp)
   try:
@@ -92,7 +92,7 @@ def replace_directory(target: str | os.PathLike, fill: Callable[[pathlib.Path], 
   target = pathlib.Path(target)
   target.parent.mkdir(parents=True, exist_ok=True)
   remove_leftovers(target)
-  tmp = pathlib.Path(tempfile.mkdtemp(prefix=_temp_prefix(target), suffix=".tmp", dir=target.parent))
+  tmp = pathlib.Path(tempfile.mkdtemp(prefix=temp_prefix(target), suffix=".tmp", dir=target.parent))
   old = tmp.with_suffix(".old")
   try:
     fill(tmp)
@@ -115,12 +115,12 @@ def remove_directory(target: str | os.PathLike) -> None:
   target = pathlib.Path(target)
   if not target.exists():
     return
-  aside = pathlib.Path(tempfile.mkdtemp(prefix=_temp_prefix(target), suffix=".tmp", dir=target.parent))
+  aside = pathlib.Path(tempfile.mkdtemp(prefix=temp_prefix(target), suffix=".tmp", dir=target.parent))
   os.replace(target, aside)  # over the fresh empty folder: atomic
   shutil.rmtree(aside, ignore_errors=True)
 
 
-def _temp_prefix(target: pathlib.Path) -> str:
+def temp_prefix(target: pathlib.Path) -> str:
   return f".{target.name}.{_host()}-{os.getpid()}."
 
 

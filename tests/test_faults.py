@@ -564,3 +564,19 @@ def test_a_chat_template_the_sandbox_rejects_is_one_error_line_in_chat(tiny_run,
   assert chat.main(["--model", str(model), "--prompt", "hi"]) == 2
   line = error_line(capsys)
   assert "chat template rejects" in line and "unsafe" in line, line
+
+
+def test_a_dead_builders_half_built_token_store_is_removed_by_the_next_build(tokenizer, tmp_path):
+  from jaxsft.data import store, synthetic
+
+  data = synthetic.write_jsonl(synthetic.make_dataset(8, seed=3), tmp_path / "tasks.jsonl")
+  cache = tmp_path / "tokens"
+  key, _ = store.store_key(str(data), tokenizer, max_length=64, train_on="all_assistant", fmt="auto", field_map=None,
+                           on_error="raise")
+  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+  host = __import__("socket").gethostname().replace(".", "_")
+  left = cache / f".{key}.{host}-{int(dead.stdout)}.abcd1234.tmp"  # as a builder killed mid-build leaves it
+  (left / "part").mkdir(parents=True)
+  result = store.open_or_build(str(data), tokenizer, max_length=64, cache_dir=cache)
+  assert result.built and not left.exists()
+  assert sorted(p.name for p in cache.iterdir()) == [key]
