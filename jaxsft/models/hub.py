@@ -86,7 +86,7 @@ def load_tokenizer(source: ModelSource | str):
     if not source.is_hub_id:
       from jaxsft.models.loading import read_hf_config
 
-      read_hf_config(source.path)  # an unsupported architecture is named before its tokenizer loads
+      read_hf_config(source.path, architecture_only=True)  # an unsupported architecture is named before its tokenizer loads
     return AutoTokenizer.from_pretrained(source.path)
   cached = source.cache_dir / "tokenizer"
   if (cached / "tokenizer_config.json").is_file():

@@ -39,7 +39,7 @@ import numpy as np
 
 from jaxsft import run_files
 from jaxsft.errors import ModelError
-from jaxsft.models import llama
+from jaxsft.models import families, llama
 from jaxsft.models.families import FULL, SLIDING
 from jaxsft.models.hub import ModelSource, load_tokenizer, resolve_model
 
@@ -148,9 +148,10 @@ def _local_folder(source: ModelSource) -> pathlib.Path:
                                                                       "*.txt"]))
 
 
-def read_hf_config(folder: str | os.PathLike) -> dict:
+def read_hf_config(folder: str | os.PathLike, *, architecture_only: bool = False) -> dict:
   """FOLDER/config.json, refused (`ModelError` naming the file and the architecture, with the
-  supported list) unless jaxsft builds that model: checked before any weight or tokenizer is read."""
+  supported list) unless jaxsft builds that model: checked before any weight or tokenizer is read.
+  `architecture_only`: only the family is checked (a tokenizer folder's config may hold no more)."""
   config_path = pathlib.Path(folder) / "config.json"
   try:
     hf_config = json.loads(config_path.read_text())
@@ -159,9 +160,9 @@ def read_hf_config(folder: str | os.PathLike) -> dict:
   if not isinstance(hf_config, dict):
     raise ModelError(f"{config_path}: expected a JSON object, got {type(hf_config).__name__}")
   try:
-    llama.from_hf_config(hf_config)
-  except ValueError as e:
-    raise ModelError(f"{config_path}: {e}") from None
+    families.check_architecture(hf_config) if architecture_only else llama.from_hf_config(hf_config)
+  except (ValueError, KeyError, TypeError) as e:
+    raise ModelError(f"{config_path}: {e if not isinstance(e, KeyError) else f'field {e} is missing'}") from None
   return hf_config
 
 
