@@ -23,7 +23,9 @@ alpha / √r with rsLoRA), and only then cast to `--dtype`, so the cast rounds o
   refused with the reason (exit 2).
 
 Everything is built in a temporary folder beside `--out` and swapped in whole; an existing
-`--out` is refused unless `--overwrite`. Weights are written as safetensors/GGUF, never pickled.
+`--out` is refused unless `--overwrite`, which replaces only an earlier export; an `--out` that
+is, contains or lies inside the run, the adapter or the base model folder is refused. Weights
+are written as safetensors/GGUF, never pickled.
 """
 
 from __future__ import annotations
