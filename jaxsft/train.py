@@ -396,6 +396,7 @@ class Run:
   t_start: float
   compiles_warmup: int = 0
   config_line: dict = dataclasses.field(default_factory=dict)  # metrics.jsonl's first line
+  last_saved_step: int | None = None  # the newest checkpoint this process saved (not one it resumed from)
 
 
 def param_paths(model) -> list[str]:
@@ -674,6 +675,7 @@ def save_checkpoint(run: Run, state: RunState) -> bool:
     log.warning("step %d: no checkpoint saved: the weights or the optimizer state hold non-finite values", state.step)
     return False
   run.checkpoints.save(state)
+  run.last_saved_step = state.step
   model = nnx.merge(run.graphdef, state.lora, run.frozen)
   if run.cfg.mode == "full":
     save_full_model(run, model)
@@ -683,13 +685,15 @@ def save_checkpoint(run: Run, state: RunState) -> bool:
 
 
 def discard_poisoned_checkpoint(run: Run, state: RunState, first_bad_step: int) -> int | None:
-  """When the run diverged right after its newest checkpoint (the first non-finite loss was
-  computed at the saved weights), that checkpoint is no good: it is deleted and the adapter (or
-  full model) rewritten from the newest one left. Returns the step of the newest good one."""
+  """When the run diverged right after a checkpoint it saved itself (every loss of the streak was
+  computed at the saved weights, the updates in between being skipped), that checkpoint is no
+  good: it is deleted and the adapter (or full model) rewritten from the newest one left. A
+  checkpoint the run resumed from is kept (the streak may come from something else, e.g. another
+  base model). Returns the step of the newest good one."""
   checkpoints = run.checkpoints
   checkpoints.manager.wait_until_finished()
   newest = checkpoints.manager.latest_step()
-  if newest is None or newest != first_bad_step - 1:
+  if newest is None or newest != first_bad_step - 1 or newest != run.last_saved_step:
     return newest
   log.warning("checkpoint %d: its weights gave a non-finite loss at step %d; deleting it", newest, first_bad_step)
   checkpoints.manager.delete(newest)
