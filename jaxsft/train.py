@@ -930,11 +930,24 @@ class ProgressBar:
       self.bar.close()
 
 
+class _StderrHandler(logging.StreamHandler):
+  """Writes to `sys.stderr` as it is at each record: a caller of `main` that swaps it between
+  runs (a test's capture) never leaves the handler writing to a closed stream."""
+
+  @property
+  def stream(self):
+    return sys.stderr
+
+  @stream.setter
+  def stream(self, value):
+    pass
+
+
 def _log_to_stderr():
   """jaxsft's INFO lines on stderr, whatever absl or JAX did to the root logger."""
   logger = logging.getLogger("jaxsft")
   if not logger.handlers:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
