@@ -23,14 +23,15 @@ import pathlib
 import sys
 from typing import Any
 
-from jaxsft import quiet
+from jaxsft import errors, quiet
+from jaxsft.errors import JaxsftError
 
 quiet.silence_library_noise()
 
-EXIT_USAGE = 2
+EXIT_USAGE = errors.EXIT_USAGE
 
 
-class ChatError(Exception):
+class ChatError(JaxsftError):
   """Bad input to the CLI (missing run/adapter, wrong base, unreadable prompts): exit 2."""
 
 
@@ -236,29 +237,25 @@ def interactive(model, tokenizer, args, sampling, stdin=None, out=None) -> int:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  from jaxsft.data import DataError
-  from jaxsft.generate import PromptTooLong, Sampling
+  return errors.run_cli(lambda: _main(args))
+
+
+def _main(args) -> int:
+  from jaxsft.generate import Sampling
 
   try:
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
   except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return EXIT_USAGE
-  try:
-    if args.input and not pathlib.Path(args.input).is_file():
-      raise ChatError(f"{args.input}: no such file")
-    model, tokenizer = load_from_args(args)
-    if args.input:
-      return run_batch(model, tokenizer, args, sampling)
-    if args.prompt is not None:
-      reply(model, tokenizer, _with_system([{"role": "user", "content": args.prompt}], args.system), args, sampling)
-      return 0
-    return interactive(model, tokenizer, args, sampling)
-  except (ChatError, DataError, PromptTooLong) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return EXIT_USAGE
-  except KeyboardInterrupt:
-    return 130
+    raise ChatError(str(e)) from None
+  if args.input and not pathlib.Path(args.input).is_file():
+    raise ChatError(f"{args.input}: no such file")
+  model, tokenizer = load_from_args(args)
+  if args.input:
+    return run_batch(model, tokenizer, args, sampling)
+  if args.prompt is not None:
+    reply(model, tokenizer, _with_system([{"role": "user", "content": args.prompt}], args.system), args, sampling)
+    return 0
+  return interactive(model, tokenizer, args, sampling)
 
 
 if __name__ == "__main__":

@@ -18,13 +18,14 @@ import typing
 from typing import Any
 
 from jaxsft.data import BATCHING, FORMATS, ON_ERROR, TRAIN_ON  # the data package owns its allowed values
+from jaxsft.errors import JaxsftError
 
 
 DEFAULT_CONFIG = pathlib.Path(__file__).parent / "configs" / "default.yaml"
 """The embedded default run, the base of the command line when no --config is given."""
 
 
-class ConfigError(ValueError):
+class ConfigError(JaxsftError, ValueError):
   """A bad configuration key or value (names the key and, for YAML, the file)."""
 
 
@@ -186,6 +187,50 @@ CHOICES = {
 }
 
 
+def _at_least(low):
+  return f">= {low}", lambda v: v >= low
+
+
+def _between(low, high, *, high_inclusive=False):
+  return (f"in [{low}, {high}{']' if high_inclusive else ')'}",
+          lambda v: low <= v <= high if high_inclusive else low <= v < high)
+
+
+_POSITIVE = ("> 0", lambda v: v > 0)
+# The allowed range of each numeric key (None, where a key allows it, is always allowed; a
+# tuple's every entry is checked). A float must also be finite.
+RANGES = {
+    "lora.r": _at_least(1), "lora.alpha": _POSITIVE, "lora.dropout": _between(0, 1),
+    "data.val_fraction": _between(0, 1), "data.max_val_examples": _at_least(0),
+    "data.synthetic_size": _at_least(1), "data.max_length": _at_least(1), "data.num_buckets": _at_least(1),
+    "data.bucket_lengths": _at_least(1), "data.batch_size": _at_least(1), "data.tokens_per_batch": _at_least(1),
+    "data.pad_to_multiple_of": _at_least(1), "data.worker_count": _at_least(0),
+    "optim.lr": _POSITIVE, "optim.weight_decay": _at_least(0), "optim.b1": _between(0, 1),
+    "optim.b2": _between(0, 1), "optim.eps": _POSITIVE, "optim.warmup_steps": _at_least(0),
+    "optim.warmup_ratio": _between(0, 1, high_inclusive=True), "optim.max_grad_norm": _POSITIVE,
+    "optim.grad_accum": _at_least(1),
+    "mesh.data": ("-1 (all devices left) or >= 1", lambda v: v == -1 or v >= 1), "mesh.fsdp": _at_least(1),
+    "eval.eval_every": _at_least(0), "eval.early_stopping_patience": _at_least(1), "eval.num_prompts": _at_least(0),
+    "eval.max_new_tokens": _at_least(1),
+    "epochs": _at_least(1), "max_steps": _at_least(1), "save_every": _at_least(0), "keep_checkpoints": _at_least(1),
+    "max_nonfinite_steps": _at_least(1),
+}
+
+
+def check_range(key: str, value, source: str = "command line") -> None:
+  """`ConfigError` naming the key when a number is outside `RANGES[key]` or not finite."""
+  import math
+
+  values = value if isinstance(value, tuple) else (value,)
+  for v in values:
+    if isinstance(v, float) and not math.isfinite(v):
+      raise ConfigError(f"{source}: {key} must be a finite number, got {v}")
+    if key in RANGES and isinstance(v, (int, float)) and not isinstance(v, bool):
+      what, ok = RANGES[key]
+      if not ok(v):
+        raise ConfigError(f"{source}: {key} must be {what}, got {v}")
+
+
 def fields(cls=TrainConfig, prefix="") -> dict[str, tuple[Any, str]]:
   """Every leaf key of the tree, dotted, with its type and its doc line."""
   docs = _field_docs(cls)
@@ -285,7 +330,9 @@ def apply_overrides(config: TrainConfig, overrides: dict[str, Any], source: str 
     *parents, leaf = key.split(".")
     for p in parents:
       obj = getattr(obj, p)
-    setattr(obj, leaf, coerce(key, tp, value))
+    value = coerce(key, tp, value)
+    check_range(key, value, source)
+    setattr(obj, leaf, value)
   return config
 
 

@@ -36,6 +36,11 @@ Rules, first match wins:
   1. diverging        a non-finite loss among the last 3, or >= max(3, 5% of n) non-finite
   2. too_short        n < MIN_POINTS (8)
   3. diverging        last > first + max(DIVERGE_REL_RISE * first, 3 se) (10%) and z >= 3
+  3a. diverging       collapsed: `last` >= 10% above the very first training loss while the
+                      gradient norm (median of the last k2) fell to GRAD_COLLAPSE (1e-3) of
+                      its largest among the first k2 (the weights were thrown where the output
+                      is flat: the loss sits at the uniform level ln(vocab) and nothing flows
+                      back; without this rule the still curve would read as "flat")
   3b. diverging       validation (>= 3 points) ends >= 10% above its first value and `last`
                       is >= 10% above the very first training loss (an early blow-up that
                       the start median absorbs; checked after rule 4, before overfitting)
@@ -81,12 +86,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxsft import run_files
+from jaxsft import errors, run_files
 
 MIN_POINTS = 8
 NEAR_ZERO = 0.05
 NEAR_ZERO_VAL_DROP = 0.5
 DIVERGE_REL_RISE = 0.10
+GRAD_COLLAPSE = 1e-3
 VAL_RISE_REL = 0.05
 REBOUND_MIN_DROP = 0.10
 REBOUND_FRACTION = 0.25
@@ -217,8 +223,9 @@ def _make(pattern: str, summary: str, evidence: dict[str, Any], *, fix: str | No
 
 def diagnose(train_steps: Sequence[float], train_loss: Sequence[float], *,
              val_steps: Sequence[float] | None = None, val_loss: Sequence[float] | None = None,
-             steps_per_epoch: int | None = None) -> Diagnosis:
-  """Classify a loss curve (see the module docstring for the statistics and thresholds)."""
+             steps_per_epoch: int | None = None, grad_norm: Sequence[float] | None = None) -> Diagnosis:
+  """Classify a loss curve (see the module docstring for the statistics and thresholds).
+  `grad_norm`, when given, is the gradient norm of each of `train_steps`."""
   steps = np.asarray(train_steps, dtype=np.float64).reshape(-1)
   loss = np.asarray(train_loss, dtype=np.float64).reshape(-1)
   if steps.shape != loss.shape:
@@ -233,10 +240,14 @@ def diagnose(train_steps: Sequence[float], train_loss: Sequence[float], *,
     evidence["first_nonfinite_step"] = int(first_bad)
     return _make("diverging", f"the loss became non-finite ({n_nonfinite} of {loss.size} steps, "
                  f"first at step {int(first_bad)})", evidence)
+  grads = None if grad_norm is None else np.asarray(grad_norm, dtype=np.float64).reshape(-1)[order][finite]
   steps, loss = steps[finite], loss[finite]
   n = loss.size
   if n < MIN_POINTS:
     return _make("too_short", f"only {n} finite training losses", evidence)
+  collapsed = _collapsed(loss, grads, evidence)
+  if collapsed is not None:
+    return collapsed
 
   k_first, k_last = int(np.clip(n // 20, 3, 25)), int(np.clip(n // 10, 3, 50))
   window = smoothing_window(n)
@@ -303,6 +314,21 @@ def diagnose(train_steps: Sequence[float], train_loss: Sequence[float], *,
     return _make("healthy", summary + " and leveled off", evidence)
   return _make("healthy", summary + " and was still falling at the end", evidence,
                fix="nothing to fix; it was still improving: more steps may help")
+
+
+def _collapsed(loss: np.ndarray, grads: np.ndarray | None, evidence: dict[str, Any]) -> Diagnosis | None:
+  """Rule 3a: the loss rose and the gradients vanished (see the module docstring)."""
+  if grads is None or grads.size != loss.size:
+    return None
+  k = int(np.clip(loss.size // 10, 3, 50))
+  g_first, g_last = float(np.max(grads[:k])), float(np.median(grads[-k:]))  # the collapse may take one step
+  last = float(np.median(loss[-k:]))
+  if not (last >= (1 + DIVERGE_REL_RISE) * loss[0] and g_first > 0 and g_last <= GRAD_COLLAPSE * g_first):
+    return None
+  evidence.update(grad_norm_first=g_first, grad_norm_last=g_last)
+  return _make("diverging", f"the loss rose from {loss[0]:.4g} to {last:.4g} and the gradients vanished "
+               f"(norm {g_first:.3g} -> {g_last:.3g}): the update threw the weights where the output is "
+               f"flat, and nothing flows back", evidence)
 
 
 def _near_zero_early(steps: np.ndarray, s: np.ndarray, first: float, steps_per_epoch: int | None,
@@ -411,7 +437,8 @@ def diagnose_run(run_dir: str | pathlib.Path) -> Diagnosis:
   """The diagnosis of RUN_DIR/metrics.jsonl (or of that file)."""
   m = run_files.read_metrics(run_dir)
   return diagnose(m.train_steps, m.train_loss, val_steps=m.val_steps or None,
-                  val_loss=m.val_loss or None, steps_per_epoch=m.steps_per_epoch)
+                  val_loss=m.val_loss or None, steps_per_epoch=m.steps_per_epoch,
+                  grad_norm=m.train_grad_norm if len(m.train_grad_norm) == len(m.train_steps) else None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -422,13 +449,14 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("run_dir", help="a training output folder holding metrics.jsonl (or the file)")
   parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
   args = parser.parse_args(argv)
-  try:
-    diagnosis = diagnose_run(args.run_dir)
-  except (OSError, run_files.MetricsError) as e:
-    print(f"jaxsft.doctor: error: {e}", file=sys.stderr)
-    return 2
-  print(json.dumps(dataclasses.asdict(diagnosis), indent=2) if args.json else diagnosis.report())
-  return 0
+  def body():
+    try:
+      diagnosis = diagnose_run(args.run_dir)
+    except FileNotFoundError as e:  # read_metrics names the run folder
+      raise run_files.MetricsError(str(e)) from None
+    print(json.dumps(dataclasses.asdict(diagnosis), indent=2) if args.json else diagnosis.report())
+
+  return errors.run_cli(body)
 
 
 if __name__ == "__main__":

@@ -107,7 +107,14 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--num-prompts", type=int, default=None)
   parser.add_argument("--max-new-tokens", type=int, default=None)
   args = parser.parse_args(argv)
+  from jaxsft import errors
+
+  return errors.run_cli(lambda: _main(args))
+
+
+def _main(args) -> int:
   from jaxsft import config as config_lib
+  from jaxsft import errors
   from jaxsft import lora as lora_lib
   from jaxsft import models, run_files
 
@@ -115,8 +122,7 @@ def main(argv: list[str] | None = None) -> int:
   full = (run / "model" / "config.json").is_file()  # a full fine-tuning run
   for name in ("config.json", "heldout.json", "model" if full else "adapter"):
     if not (run / name).exists():
-      print(f"error: {run / name} is missing: {run} is not a finished jaxsft run", file=sys.stderr)
-      return 2
+      raise errors.JaxsftError(f"{run / name} is missing: {run} is not a finished jaxsft run")
   cfg = config_lib.from_dict(json.loads((run / "config.json").read_text()))
   if args.num_prompts:
     cfg.eval.num_prompts = args.num_prompts

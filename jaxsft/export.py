@@ -23,7 +23,9 @@ alpha / √r with rsLoRA), and only then cast to `--dtype`, so the cast rounds o
   refused with the reason (exit 2).
 
 Everything is built in a temporary folder beside `--out` and swapped in whole; an existing
-`--out` is refused unless `--overwrite`. Weights are written as safetensors/GGUF, never pickled.
+`--out` is refused unless `--overwrite`, which replaces only an earlier export; an `--out` that
+is, contains or lies inside the run, the adapter or the base model folder is refused. Weights
+are written as safetensors/GGUF, never pickled.
 """
 
 from __future__ import annotations
@@ -36,16 +38,17 @@ from typing import Any
 
 import numpy as np
 
-from jaxsft import quiet
+from jaxsft import errors, quiet
+from jaxsft.errors import JaxsftError
 
 quiet.silence_library_noise()
 
 HF_DTYPES = ("float32", "bfloat16", "float16")
 GGUF_DTYPES = HF_DTYPES + ("q8_0",)
-EXIT_USAGE = 2
+EXIT_USAGE = errors.EXIT_USAGE
 
 
-class ExportError(Exception):
+class ExportError(JaxsftError):
   """Bad input (missing run or adapter, adapter for another base, existing --out): exit 2."""
 
 
@@ -207,9 +210,9 @@ def _gguf_tokenizer_fields(tokenizer, source_gguf: str | None) -> dict[str, Any]
   byte-level BPE fast tokenizer (vocabulary, merges, token types, special ids)."""
   fields: dict[str, Any] = {}
   if source_gguf is not None:
-    from gguf import GGUFReader
+    from jaxsft.models.loading import open_gguf
 
-    reader = GGUFReader(source_gguf)
+    reader = open_gguf(source_gguf)
     for key, field in reader.fields.items():
       if key.startswith("tokenizer."):
         fields[key] = (field.contents(), field.types)
@@ -330,8 +333,42 @@ def write_gguf(path: pathlib.Path, config, tensors: dict[str, np.ndarray], token
 # The command.
 
 
+def _overlaps(a: pathlib.Path, b: pathlib.Path) -> bool:
+  """`a` is `b`, contains it or lies inside it (after resolving links and `..`)."""
+  a, b = a.resolve(), b.resolve()
+  return a == b or a in b.parents or b in a.parents
+
+
+def is_earlier_export(folder: pathlib.Path) -> bool:
+  """`folder` holds what an export writes and nothing a run or a person keeps: files only (no
+  subfolder), and a model.gguf or a config.json with safetensors weights."""
+  entries = list(folder.iterdir())
+  if any(p.is_dir() for p in entries):
+    return False
+  names = {p.name for p in entries}
+  return "model.gguf" in names or ("config.json" in names and any(n.endswith(".safetensors") for n in names))
+
+
+def check_out(out: pathlib.Path, sources: dict[str, str | None], overwrite: bool) -> None:
+  """Refuses an `out` that would destroy what is exported: one that is, contains or lies inside
+  a source (the run, its adapter, the base model folder), or an existing `out` that is not an
+  earlier export (with --overwrite) or at all (without)."""
+  for what, source in sources.items():
+    if source is not None and pathlib.Path(source).exists() and _overlaps(out, pathlib.Path(source)):
+      raise ExportError(f"--out {out} overlaps the {what} {source} it exports from; choose a folder outside it")
+  if not out.exists():
+    return
+  if not overwrite:
+    raise ExportError(f"{out} already exists; pass --overwrite to replace it")
+  if not out.is_dir() or (any(out.iterdir()) and not is_earlier_export(out)):
+    raise ExportError(f"--overwrite replaces only an earlier export, and {out} is not one (it holds "
+                      f"{sorted(p.name for p in out.iterdir())[:8] if out.is_dir() else 'a file'}); "
+                      f"choose another --out")
+
+
 def export(model_name: str, adapter: str | None, out: str | pathlib.Path, *, fmt: str = "hf",
-           dtype: str = "float32", overwrite: bool = False, max_shard_size: int | str = "5GB") -> pathlib.Path:
+           dtype: str = "float32", overwrite: bool = False, max_shard_size: int | str = "5GB",
+           run_dir: str | None = None) -> pathlib.Path:
   """Merge `adapter` into `model_name` and write it to `out` (see the module docstring)."""
   from jaxsft import lora, run_files
   from jaxsft.models import hub
@@ -342,8 +379,7 @@ def export(model_name: str, adapter: str | None, out: str | pathlib.Path, *, fmt
   allowed = GGUF_DTYPES if fmt == "gguf" else HF_DTYPES
   if dtype not in allowed:
     raise ExportError(f"--dtype {dtype} is not available for --format {fmt}; choose from {list(allowed)}")
-  if out.exists() and not overwrite:
-    raise ExportError(f"{out} already exists; pass --overwrite to replace it")
+  check_out(out, {"run": run_dir, "adapter": adapter, "model": model_name}, overwrite)
   try:
     source = hub.resolve_model(model_name)
   except (FileNotFoundError, ValueError, KeyError) as e:
@@ -387,19 +423,19 @@ def main(argv=None) -> int:
     parser.error("give RUN_DIR or --model (one of them)")
   if args.adapter and args.run_dir:
     parser.error("--adapter goes with --model; a RUN_DIR brings its own adapter")
-  from jaxsft.chat import ChatError, resolve_run
+  return errors.run_cli(lambda: _main(args))
 
-  try:
-    if args.run_dir:
-      source = resolve_run(args.run_dir)
-      model_name, adapter = source["model"], source["adapter"]
-    else:
-      model_name, adapter = args.model, args.adapter
-    out = export(model_name, adapter, args.out, fmt=args.format, dtype=args.dtype, overwrite=args.overwrite,
-                 max_shard_size=args.max_shard_size)
-  except (ExportError, ChatError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return EXIT_USAGE
+
+def _main(args) -> int:
+  from jaxsft.chat import resolve_run
+
+  if args.run_dir:
+    source = resolve_run(args.run_dir)
+    model_name, adapter = source["model"], source["adapter"]
+  else:
+    model_name, adapter = args.model, args.adapter
+  out = export(model_name, adapter, args.out, fmt=args.format, dtype=args.dtype, overwrite=args.overwrite,
+               max_shard_size=args.max_shard_size, run_dir=args.run_dir)
   size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
   print(f"wrote {out} ({args.format}, {args.dtype}, {size / 2**20:.1f} MiB)", file=sys.stderr)
   return 0

@@ -26,10 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxsft.errors import JaxsftError
 from jaxsft.models import llama
 
 
-class PromptTooLong(ValueError):
+class PromptTooLong(JaxsftError, ValueError):
   """The rendered prompt does not fit in the model's context window."""
 
 

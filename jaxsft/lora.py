@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from jaxsft import run_files
+from jaxsft.errors import JaxsftError
 
 # The Llama family's projections: module name -> path inside a decoder layer (as in transformers).
 # Other families have their own set (Phi-3 fuses q/k/v into qkv_proj and gate/up into
@@ -50,6 +51,12 @@ _CANONICAL_ORDER = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_pr
                     "down_proj")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+class AdapterError(JaxsftError, ValueError):
+  """A PEFT adapter jaxsft cannot load as it is (the message names the file and the field)."""
+
+
 _PEFT_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -226,9 +233,13 @@ def _read_adapter_config(path: pathlib.Path) -> dict:
   except FileNotFoundError:
     raise FileNotFoundError(f"{path}: no adapter_config.json (not a PEFT adapter directory)") from None
   except json.JSONDecodeError as e:
-    raise ValueError(f"{path}: line {e.lineno}: invalid JSON ({e.msg})") from None
+    raise AdapterError(f"{path}: line {e.lineno}: invalid JSON ({e.msg})") from None
+  except RecursionError:
+    raise AdapterError(f"{path}: JSON nested too deeply to be an adapter config") from None
+  if not isinstance(config, dict):
+    raise AdapterError(f"{path}: expected a JSON object, got {type(config).__name__}")
   if config.get("peft_type") != "LORA":
-    raise ValueError(f"{path}: field peft_type is {config.get('peft_type')!r}; only LORA adapters load")
+    raise AdapterError(f"{path}: field peft_type is {config.get('peft_type')!r}; only LORA adapters load")
   unsupported = {
       "use_dora": False, "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
       "layers_to_transform": None, "layer_replication": None, "lora_bias": False,
@@ -236,13 +247,24 @@ def _read_adapter_config(path: pathlib.Path) -> dict:
   }
   for field, ok in unsupported.items():
     if config.get(field, ok) not in (ok, [], {}):
-      raise ValueError(f"{path}: field {field}={config[field]!r} is not supported (expected {ok!r})")
+      raise AdapterError(f"{path}: field {field}={config[field]!r} is not supported (expected {ok!r})")
   for field in ("rank_pattern", "alpha_pattern"):
     if config.get(field):
-      raise ValueError(f"{path}: field {field}={config[field]!r} is not supported (per-module r/alpha)")
+      raise AdapterError(f"{path}: field {field}={config[field]!r} is not supported (per-module r/alpha)")
   for field in ("r", "lora_alpha"):
-    if not isinstance(config.get(field), (int, float)):
-      raise ValueError(f"{path}: field {field} is missing or not a number: {config.get(field)!r}")
+    if not isinstance(config.get(field), (int, float)) or isinstance(config.get(field), bool):
+      raise AdapterError(f"{path}: field {field} is missing or not a number: {config.get(field)!r}")
+  # The ranges training accepts (jaxsft.config.RANGES): a rank is a whole number >= 1, the
+  # scale alpha a finite positive number, the dropout a probability below 1.
+  r, alpha, dropout = config["r"], config["lora_alpha"], config.get("lora_dropout", 0.0)
+  if not (isinstance(r, int) or float(r).is_integer()) or not math.isfinite(r) or r < 1:
+    raise AdapterError(f"{path}: field r must be a whole number >= 1, got {r!r}")
+  if not math.isfinite(alpha) or alpha <= 0:
+    raise AdapterError(f"{path}: field lora_alpha must be a finite number > 0, got {alpha!r}")
+  if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout < 1:
+    raise AdapterError(f"{path}: field lora_dropout must be in [0, 1), got {dropout!r}")
+  if not isinstance(config.get("use_rslora", False), bool):
+    raise AdapterError(f"{path}: field use_rslora must be true or false, got {config['use_rslora']!r}")
   return config
 
 
@@ -259,7 +281,10 @@ def load_adapter(model, directory: str | os.PathLike):
   weights_path = directory / ADAPTER_WEIGHTS
   if not weights_path.is_file():
     raise FileNotFoundError(f"{weights_path}: missing (PEFT adapters are read from safetensors)")
-  tensors = load_file(str(weights_path))
+  try:
+    tensors = load_file(str(weights_path))
+  except Exception as e:  # safetensors' own SafetensorError (a bad header), or a length it cannot allocate
+    raise AdapterError(f"{weights_path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
   r = int(config["r"])
   num_layers = model.config.num_layers
   paths = module_paths(model)

@@ -1,7 +1,9 @@
 """What a run writes and reads back, written so that a reader (or a crash) never sees half of it.
 
 - `atomic_path` / `atomic_write` / `write_json` / `replace_directory`: the one way jaxsft writes a
-  file or a folder (temp beside the target, fsync, rename).
+  file or a folder (temp beside the target, fsync, rename). A temp's name carries its writer
+  (`.<name>.<host>-<pid>.<random>.tmp`), so `remove_leftovers` can delete those of dead writers.
+- `RunLock`: one writer per run directory.
 - `RunFiles`: the layout of a run directory, the `metrics.jsonl` writer and the adapter save.
 - `read_metrics`: the one `metrics.jsonl` reader (the doctor, the plot and the tests use it).
 
@@ -16,14 +18,24 @@ A resumed run appends; for a step logged twice the later line wins.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import errno
 import json
+import logging
 import math
 import os
 import pathlib
+import re
 import shutil
+import socket
 import tempfile
+import time
 from typing import IO, Callable, Iterator
+
+from jaxsft.errors import JaxsftError
+
+log = logging.getLogger("jaxsft.run_files")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -39,7 +51,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[pathlib.Path]:
   """
   path = pathlib.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+  fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent)
   os.close(fd)
   tmp = pathlib.Path(tmp)
   try:
@@ -70,26 +82,224 @@ def write_json(path: str | os.PathLike, obj) -> pathlib.Path:
 def replace_directory(target: str | os.PathLike, fill: Callable[[pathlib.Path], None]) -> pathlib.Path:
   """`fill(tmp_dir)` into a fresh folder beside `target`, then swap it in for `target`.
 
-  The swap is two renames (old out of the way, new in), so a reader sees the old folder or the
-  new one, each whole; a failed `fill` leaves `target` as it was.
+  The swap is one atomic exchange of the two names (Linux `renameat2(RENAME_EXCHANGE)`), so at
+  every instant `target` is the whole old folder or the whole new one, and a crash leaves at most
+  a hidden temp beside it (removed by the next writer, `remove_leftovers`). Where the exchange is
+  unavailable (another OS or file system) it is two renames, old out of the way then new in; a
+  crash between them leaves `target` missing and the old folder as `.<name>.*.old`, which
+  `remove_leftovers` puts back. A failed `fill` leaves `target` as it was.
   """
   target = pathlib.Path(target)
   target.parent.mkdir(parents=True, exist_ok=True)
-  tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+  remove_leftovers(target)
+  tmp = pathlib.Path(tempfile.mkdtemp(prefix=temp_prefix(target), suffix=".tmp", dir=target.parent))
   old = tmp.with_suffix(".old")
   try:
     fill(tmp)
-    if target.exists():
+    _fsync_tree(tmp)
+    if not target.exists():
+      os.replace(tmp, target)
+    elif not _exchange(tmp, target):  # now `tmp` holds the old folder
       os.replace(target, old)
-    os.replace(tmp, target)
+      os.replace(tmp, target)
+    _fsync_dir(target.parent)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)
   return target
 
 
+def remove_directory(target: str | os.PathLike) -> None:
+  """Removes `target` whole for a reader: renamed away first (one atomic step), then deleted; a
+  crash mid-delete leaves a hidden temp that `remove_leftovers` removes."""
+  target = pathlib.Path(target)
+  if not target.exists():
+    return
+  aside = pathlib.Path(tempfile.mkdtemp(prefix=temp_prefix(target), suffix=".tmp", dir=target.parent))
+  os.replace(target, aside)  # over the fresh empty folder: atomic
+  shutil.rmtree(aside, ignore_errors=True)
+
+
+def temp_prefix(target: pathlib.Path) -> str:
+  return f".{target.name}.{_host()}-{os.getpid()}."
+
+
+def _host() -> str:
+  return socket.gethostname().replace(".", "_")
+
+
+_TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<host>[^.]*)-(?P<pid>\d+)\.[^.]+\.(?P<kind>tmp|old)$")
+
+
+def _alive(host: str, pid: int) -> bool:
+  """Whether process `pid` of `host` may still run (a process of another host: assumed so)."""
+  if host != _host():
+    return True
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def remove_leftovers(target: str | os.PathLike) -> list[pathlib.Path]:
+  """Removes what writers of `target` that died mid-write left beside it (temp files and folders
+  named by `atomic_path` / `replace_directory`); a live writer's temps are kept. When `target`
+  is missing and a dead writer's `.old` copy is there (a crash between the two renames of the
+  fallback swap), that copy is put back as `target`. Returns what was removed or restored."""
+  target = pathlib.Path(target)
+  if not target.parent.is_dir():
+    return []
+  done = []
+  for path in sorted(target.parent.iterdir()):
+    match = _TEMP.match(path.name)
+    if not match or match["name"] != target.name or _alive(match["host"], int(match["pid"])):
+      continue
+    if match["kind"] == "old" and not target.exists():
+      os.replace(path, target)
+      log.warning("restored %s from %s (left by a writer that stopped mid-swap)", target, path.name)
+    elif path.is_dir() and not path.is_symlink():
+      shutil.rmtree(path, ignore_errors=True)
+    else:
+      path.unlink(missing_ok=True)
+    done.append(path)
+  return done
+
+
+def _exchange(a: pathlib.Path, b: pathlib.Path) -> bool:
+  """Atomically swaps the names `a` and `b` (both must exist); False where the OS or the file
+  system cannot (the caller falls back to two renames)."""
+  renameat2 = getattr(_libc(), "renameat2", None)
+  if renameat2 is None:
+    return False
+  at_fdcwd, rename_exchange = -100, 2
+  if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+    return True
+  err = ctypes.get_errno()
+  if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+    return False
+  raise OSError(err, os.strerror(err), str(b))
+
+
+_LIBC = []
+
+
+def _libc():
+  if not _LIBC:
+    try:
+      _LIBC.append(ctypes.CDLL(None, use_errno=True))
+    except OSError:
+      _LIBC.append(None)
+  return _LIBC[0]
+
+
+def _fsync_dir(folder: pathlib.Path) -> None:
+  fd = os.open(folder, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _fsync_tree(folder: pathlib.Path) -> None:
+  """Every file under `folder` on disk before the swap publishes it (a crash after the swap
+  must not find the new folder's files empty)."""
+  for path in folder.rglob("*"):
+    if path.is_file() and not path.is_symlink():
+      with open(path, "rb") as f:
+        os.fsync(f.fileno())
+  _fsync_dir(folder)
+
+
+# ---------------------------------------------------------------------------------------------
+# One writer per run directory.
+
+
+class RunLocked(JaxsftError, RuntimeError):
+  """Another live process holds the run directory's lock."""
+
+
+class RunLock:
+  """RUN_DIR/run.lock: held (an exclusive `flock`) for the life of the process that writes the run.
+
+  The file names its holder (pid, host, start time), for the refusal of a second writer. The
+  kernel drops a `flock` when its process dies, however it dies, so a lock file whose lock is
+  free is a stale one: it is taken over with a log line naming the dead holder.
+  """
+
+  NAME = "run.lock"
+
+  def __init__(self, folder: str | os.PathLike):
+    self.folder = pathlib.Path(folder)
+    self.path = self.folder / self.NAME
+    self._fd: int | None = None
+    self._created_folder = False
+
+  def acquire(self) -> "RunLock":
+    import fcntl
+
+    self._created_folder = not self.folder.exists()
+    self.folder.mkdir(parents=True, exist_ok=True)
+    while True:
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        holder = _read_holder(fd)
+        os.close(fd)
+        raise RunLocked(f"{self.folder} is in use by another training process ({holder}); wait for it to end, "
+                        f"or choose another --output-dir") from None
+      try:
+        same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+      except FileNotFoundError:
+        same = False
+      if same:
+        break
+      os.close(fd)  # the holder released (and unlinked) it between our open and flock: retry
+    stale = _read_holder(fd)
+    if stale != "no holder recorded":
+      log.warning("%s: taking over the stale lock of a process that ended without releasing it (%s)", self.path, stale)
+    holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+    os.fsync(fd)
+    self._fd = fd
+    return self
+
+  def release(self) -> None:
+    """Unlinks the file, then unlocks (a process waiting on the old file retries on the new one);
+    a folder created only to hold the lock is removed again when nothing else was written."""
+    if self._fd is None:
+      return
+    self.path.unlink(missing_ok=True)
+    os.close(self._fd)
+    self._fd = None
+    if self._created_folder:
+      with contextlib.suppress(OSError):
+        self.folder.rmdir()  # only when empty
+
+  def __enter__(self):
+    return self.acquire()
+
+  def __exit__(self, *exc):
+    self.release()
+
+
+def _read_holder(fd: int) -> str:
+  try:
+    holder = json.loads(os.pread(fd, 4096, 0) or b"null")
+    return f"pid {holder['pid']} on {holder['host']}, started {holder['started']}"
+  except (ValueError, TypeError, KeyError):
+    return "no holder recorded"
+
+
 # ---------------------------------------------------------------------------------------------
 # The run directory.
+
+
+ORBAX_TEMP = ".orbax-checkpoint-tmp"  # orbax's name for a step folder before its commit
 
 
 class RunFiles:
@@ -107,6 +317,29 @@ class RunFiles:
 
   def holds_a_run(self) -> bool:
     return self.checkpoints.exists() or self.metrics.exists()
+
+  def lock(self) -> RunLock | None:
+    """Takes the run directory's lock (the writer only) and removes what writers that died
+    mid-write left in it; `unlock` (or the process's end) releases it."""
+    if not self.writer:
+      return None
+    self._lock = RunLock(self.dir).acquire()
+    for path in sorted(self.dir.iterdir()):
+      match = _TEMP.match(path.name)
+      if match:
+        for removed in remove_leftovers(self.dir / match["name"]):
+          log.info("removed %s, left by a writer that stopped mid-write", removed)
+    # A checkpoint save killed before orbax's commit (the rename of its temp folder) leaves the
+    # temp: never restored (orbax lists committed steps only), removed here.
+    for path in sorted(self.checkpoints.glob(f"*{ORBAX_TEMP}*")) if self.checkpoints.is_dir() else ():
+      shutil.rmtree(path, ignore_errors=True)
+      log.info("removed %s, an unfinished checkpoint save", path)
+    return self._lock
+
+  def unlock(self) -> None:
+    lock, self._lock = getattr(self, "_lock", None), None
+    if lock is not None:
+      lock.release()
 
   def write_json(self, name: str, obj) -> None:
     if self.writer:
@@ -128,10 +361,9 @@ class RunFiles:
     if not self.writer or not self.metrics.exists():
       return
     kept = []
-    for line in self.metrics.read_text(encoding="utf-8").splitlines():
-      record = json.loads(line)
+    for _, record in _metric_lines(self.metrics):  # a line cut by a crash is dropped here
       if record.get("event") == "config" or (record.get("step", 0) <= last_step and not record.get("end_of_run")):
-        kept.append(line)
+        kept.append(json.dumps(record))
     write_text(self.metrics, "".join(line + "\n" for line in kept))
 
   def save_adapter(self, model, base_model_name_or_path: str) -> None:
@@ -147,7 +379,7 @@ class RunFiles:
 # Reading metrics.jsonl.
 
 
-class MetricsError(ValueError):
+class MetricsError(JaxsftError, ValueError):
   """A malformed metrics.jsonl (the message names the file and the line)."""
 
 
@@ -162,6 +394,7 @@ class MetricsLog:
   val_loss: list[float]
   steps_per_epoch: int | None
   epoch_end_steps: list[int] = dataclasses.field(default_factory=list)
+  train_grad_norm: list[float] = dataclasses.field(default_factory=list)  # per train step, when every line has it
 
 
 def metrics_path(run_dir_or_file: str | os.PathLike) -> pathlib.Path:
@@ -180,16 +413,21 @@ def _number(obj: dict, key: str, where: str, *, integer: bool = False):
 
 
 def _metric_lines(path: pathlib.Path) -> Iterator[tuple[str, dict]]:
-  """(where, object) for each non-blank line; a line that is no JSON object is a MetricsError."""
-  with open(path, encoding="utf-8") as f:
+  """(where, object) for each non-blank line; a line that is no JSON object is a MetricsError,
+  except a last line without its newline that does not parse: the line a crash cut, ignored."""
+  with open(path, encoding="utf-8", errors="replace") as f:
     for lineno, line in enumerate(f, 1):
       where = f"{path}:{lineno}"
       if not line.strip():
         continue
       try:
         obj = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise MetricsError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+      except (json.JSONDecodeError, RecursionError) as e:
+        if not line.endswith("\n"):  # only the file's last line can lack it
+          log.warning("%s: ignoring the last line, cut short (a crash while it was written)", where)
+          return
+        raise MetricsError(f"{where}: not valid JSON ({getattr(e, 'msg', e)}"
+                           f"{f' at column {e.colno}' if hasattr(e, 'colno') else ''})") from None
       if not isinstance(obj, dict):
         raise MetricsError(f"{where}: expected a JSON object, got {type(obj).__name__}")
       yield where, obj
@@ -202,6 +440,7 @@ def read_metrics(run_dir_or_file: str | os.PathLike) -> MetricsLog:
     raise FileNotFoundError(f"no metrics file at {path}" + (
         "" if path.parent.is_dir() else f" ({path.parent} does not exist)"))
   train: dict[int, float] = {}
+  grad_norm: dict[int, float] = {}
   val: dict[int, float] = {}
   epoch_ends: dict[int, int] = {}
   steps_per_epoch = None
@@ -217,6 +456,8 @@ def read_metrics(run_dir_or_file: str | os.PathLike) -> MetricsLog:
     step = _number(obj, "step", where, integer=True)
     if "loss" in obj:
       train[step] = _number(obj, "loss", where)
+      if "grad_norm" in obj:
+        grad_norm[step] = _number(obj, "grad_norm", where)
     if "val_loss" in obj:
       val[step] = _number(obj, "val_loss", where)
     if "epoch" in obj:
@@ -227,5 +468,6 @@ def read_metrics(run_dir_or_file: str | os.PathLike) -> MetricsLog:
   ends = [epoch_ends[e] for e in sorted(epoch_ends)]
   if steps_per_epoch is None and ends:
     steps_per_epoch = ends[0] - train_steps[0] + 1  # the first epoch's steps
+  grads = [grad_norm[s] for s in train_steps] if all(s in grad_norm for s in train_steps) else []
   return MetricsLog(path, train_steps, [train[s] for s in train_steps], val_steps,
-                    [val[s] for s in val_steps], steps_per_epoch, ends)
+                    [val[s] for s in val_steps], steps_per_epoch, ends, grads)

@@ -25,11 +25,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxsft.errors import JaxsftError
+
 BATCH_AXES = ("data", "fsdp")
 DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 
 
-class MeshError(ValueError):
+class MeshError(JaxsftError, ValueError):
   """A mesh that doesn't fit the devices, a batch size the data axes don't divide, or an
   incomplete multi-process launch (checked before anything compiles)."""
 

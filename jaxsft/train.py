@@ -12,6 +12,7 @@ the run writes is `jaxsft.run_files`. Everything the loop changes lives in one `
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -30,16 +31,19 @@ from flax import nnx
 
 from jaxsft import config as config_lib
 from jaxsft import data as data_lib
+from jaxsft import errors
 from jaxsft import lora as lora_lib
 from jaxsft import models
+from jaxsft import run_files
 from jaxsft import sharding as sharding_lib
 from jaxsft import step as step_lib
+from jaxsft.errors import JaxsftError
 from jaxsft.run_files import RunFiles
 
 log = logging.getLogger("jaxsft.train")
 
 
-class TrainingError(RuntimeError):
+class TrainingError(JaxsftError, RuntimeError):
   """The run cannot go on (too many non-finite steps, no checkpoint to resume); saved state is kept."""
 
 
@@ -162,10 +166,11 @@ class DevicePrefetch:
   the position of the last consumed batch, not of the prefetched ones.
   """
 
-  def __init__(self, iterator, put_on_device, size: int = 2):
+  def __init__(self, iterator, put_on_device, size: int = 2, stats: data_lib.PipelineStats | None = None):
     self._queue: queue.Queue = queue.Queue(maxsize=size)
     self._iterator = iterator
     self._put = put_on_device
+    self._stats = stats
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, daemon=True)
     self._thread.start()
@@ -178,6 +183,8 @@ class DevicePrefetch:
         state = self._iterator.get_state()
         host = {"epoch": int(batch.get("epoch", 0)), "real_tokens": int(batch["attention_mask"].sum()),
                 "shape": tuple(batch["input_ids"].shape)}
+        if self._stats is not None:  # the pipeline's counts as of this batch (for the checkpoint)
+          host["data_stats"] = dataclasses.asdict(self._stats)
         self._queue.put((self._put({k: batch[k] for k in step_lib.BATCH_KEYS if k in batch}), host, state))
       self._queue.put(StopIteration)
     except BaseException as e:  # surfaced in the training thread
@@ -226,9 +233,10 @@ class RunState:
   last_loss: float | None = None
   val_loss: float | None = None
   val_step: int | None = None  # the step `val_loss` was measured at
+  data_stats: dict | None = None  # the pipeline's counters as of the last consumed batch
 
   SCALARS = ("epoch", "epoch_nll", "epoch_valid", "first_val_loss", "best_val", "bad_evals",
-             "nonfinite_in_row", "last_loss", "val_loss", "val_step")
+             "nonfinite_in_row", "last_loss", "val_loss", "val_step", "data_stats")
 
   def scalars(self) -> dict[str, Any]:
     return {name: getattr(self, name) for name in self.SCALARS}
@@ -248,6 +256,42 @@ class SavedIteratorState:
 
   def start_prefetch(self):  # part of the iterator interface grain's handler may call
     pass
+
+
+@contextlib.contextmanager
+def _drain_orbax_loop_on_failure():
+  """Lets a failed orbax restore finish its other reads before orbax closes its event loop.
+
+  Orbax runs a restore as one `asyncio.gather` of every array read on a fresh event loop, closed
+  as soon as the gather returns. When one read fails (a damaged checkpoint) the gather raises at
+  once while the other reads are still running in tensorstore; each of those, on completion,
+  schedules its callback on the closed loop and prints a "RuntimeError: Event loop is closed"
+  traceback (one per array). Here the loop first runs its remaining tasks to the end, then closes:
+  same result, same exception, no orphaned reads.
+  """
+  import asyncio
+
+  from orbax.checkpoint._src import asyncio_utils
+
+  original = asyncio_utils._run_sync_via_new_loop
+
+  def run_then_drain(coro):
+    loop = asyncio.new_event_loop()
+    try:
+      asyncio.set_event_loop(loop)
+      return loop.run_until_complete(coro)
+    finally:
+      pending = asyncio.all_tasks(loop)
+      if pending:
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+      asyncio.set_event_loop(None)
+      loop.close()
+
+  asyncio_utils._run_sync_via_new_loop = run_then_drain
+  try:
+    yield
+  finally:
+    asyncio_utils._run_sync_via_new_loop = original
 
 
 class Checkpoints:
@@ -281,9 +325,10 @@ class Checkpoints:
     import orbax.checkpoint as ocp
 
     holder = SavedIteratorState()
-    restored = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore({"lora": template.lora, "opt_state": template.opt_state}),
-        data_iter=grain.checkpoint.CheckpointRestore(holder), meta=ocp.args.JsonRestore()))
+    with _drain_orbax_loop_on_failure():
+      restored = self.manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore({"lora": template.lora, "opt_state": template.opt_state}),
+          data_iter=grain.checkpoint.CheckpointRestore(holder), meta=ocp.args.JsonRestore()))
     restore_data_position(holder.state)
     scalars = {k: v for k, v in restored["meta"].items() if k in RunState.SCALARS}
     return RunState(lora=restored["state"]["lora"], opt_state=restored["state"]["opt_state"], step=step,
@@ -351,6 +396,7 @@ class Run:
   t_start: float
   compiles_warmup: int = 0
   config_line: dict = dataclasses.field(default_factory=dict)  # metrics.jsonl's first line
+  last_saved_step: int | None = None  # the newest checkpoint this process saved (not one it resumed from)
 
 
 def param_paths(model) -> list[str]:
@@ -383,6 +429,15 @@ def setup(cfg: config_lib.TrainConfig) -> tuple[Run, RunState]:
   if cfg.compile_cache and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(cfg.compile_cache).expanduser()))
   files = RunFiles(cfg.output_dir, writer=sharding_lib.is_main_process())
+  files.lock()  # held until `train` ends: a second process on this run directory is refused
+  try:
+    return _setup(cfg, files, t_start)
+  except BaseException:
+    files.unlock()
+    raise
+
+
+def _setup(cfg: config_lib.TrainConfig, files: RunFiles, t_start: float) -> tuple[Run, RunState]:
   if not cfg.resume and files.holds_a_run():
     raise config_lib.ConfigError(
         f"{files.dir} already holds a run (metrics.jsonl or checkpoints/). Pass --resume to continue it, "
@@ -461,6 +516,11 @@ def start_or_resume(run: Run, fresh: RunState):
   state = run.checkpoints.restore_newest(fresh, restore_data_position) if cfg.resume else None
   if state is not None:
     run.files.truncate_metrics(state.step)
+    if state.data_stats:  # the run's data counts go on from the checkpoint's, not from zero
+      for name, value in state.data_stats.items():
+        if name == "dropped_per_epoch":
+          value = {int(epoch): count for epoch, count in value.items()}
+        setattr(run.data.stats, name, value)
     log.info("resumed from step %d", state.step)
   else:
     if cfg.resume:
@@ -519,6 +579,7 @@ def train_step(run: Run, state: RunState, batches: DevicePrefetch) -> dict | Non
     except StopIteration:
       break
     wait += time.time() - t_wait
+    state.data_stats = host.get("data_stats", state.data_stats)
     micro.append(batch)
     tokens += host["shape"][0] * host["shape"][1]
     real += host["real_tokens"]
@@ -579,9 +640,12 @@ def account_step(run: Run, state: RunState, record: dict) -> None:
                 record["step"], record["loss"], record["grad_norm"])
     if state.nonfinite_in_row >= run.cfg.max_nonfinite_steps:
       run.files.log(record)
+      kept = discard_poisoned_checkpoint(run, state, first_bad_step=record["step"] - state.nonfinite_in_row + 1)
       raise TrainingError(
           f"{state.nonfinite_in_row} consecutive steps with a non-finite loss or gradient (step {record['step']}); "
-          f"stopping. Lower the learning rate or check the data. The last good checkpoint and adapter are kept.")
+          f"stopping. Lower the learning rate or check the data. " +
+          (f"The newest good checkpoint (step {kept}) and its adapter are kept." if kept is not None else
+           "No checkpoint with finite weights was saved before the run diverged."))
     return
   state.nonfinite_in_row = 0
   if record["epoch"] != state.epoch and state.epoch_valid:
@@ -594,13 +658,58 @@ def account_step(run: Run, state: RunState, record: dict) -> None:
   state.last_loss = record["loss"]
 
 
-def save_checkpoint(run: Run, state: RunState) -> None:
+def all_finite(tree) -> bool:
+  """Every value of `tree` finite, checked on the host (no new executable after warm-up)."""
+  return all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(jax.device_get(tree))
+             if np.issubdtype(np.asarray(x).dtype, np.inexact))
+
+
+def save_checkpoint(run: Run, state: RunState) -> bool:
+  """Saves a checkpoint and the adapter (or the full model) of `state`, only after a finite,
+  applied update and with finite weights and optimizer state: a diverging run never rotates
+  its last good checkpoints out for poisoned ones. Returns whether it saved."""
+  if state.nonfinite_in_row:
+    log.warning("step %d: no checkpoint saved: the step's update was skipped (non-finite)", state.step)
+    return False
+  if not all_finite((state.lora, state.opt_state)):
+    log.warning("step %d: no checkpoint saved: the weights or the optimizer state hold non-finite values", state.step)
+    return False
   run.checkpoints.save(state)
+  run.last_saved_step = state.step
   model = nnx.merge(run.graphdef, state.lora, run.frozen)
   if run.cfg.mode == "full":
     save_full_model(run, model)
   else:
     run.files.save_adapter(model, run.cfg.model.name)
+  return True
+
+
+def discard_poisoned_checkpoint(run: Run, state: RunState, first_bad_step: int) -> int | None:
+  """When the run diverged right after a checkpoint it saved itself (every loss of the streak was
+  computed at the saved weights, the updates in between being skipped), that checkpoint is no
+  good: it is deleted and the adapter (or full model) rewritten from the newest one left. A
+  checkpoint the run resumed from is kept (the streak may come from something else, e.g. another
+  base model). Returns the step of the newest good one."""
+  checkpoints = run.checkpoints
+  checkpoints.manager.wait_until_finished()
+  newest = checkpoints.manager.latest_step()
+  if newest is None or newest != first_bad_step - 1 or newest != run.last_saved_step:
+    return newest
+  log.warning("checkpoint %d: its weights gave a non-finite loss at step %d; deleting it", newest, first_bad_step)
+  checkpoints.manager.delete(newest)
+  good = checkpoints.manager.latest_step()
+  if good is None:
+    if run.files.writer:
+      for name in ("adapter", "model"):
+        run_files.remove_directory(run.files.dir / name)
+    return None
+  restored = checkpoints._restore(good, state, lambda data_state: None)
+  model = nnx.merge(run.graphdef, restored.lora, run.frozen)
+  if run.cfg.mode == "full":
+    save_full_model(run, model)
+  else:
+    run.files.save_adapter(model, run.cfg.model.name)
+  return good
 
 
 def save_full_model(run: Run, model) -> None:
@@ -715,8 +824,15 @@ class RunResult:
 
 def train(cfg: config_lib.TrainConfig) -> RunResult:
   run, state = setup(cfg)
+  try:
+    return _train(run, state)
+  finally:
+    run.files.unlock()
+
+
+def _train(run: Run, state: RunState) -> RunResult:
   state, iterator = start_or_resume(run, state)
-  batches = DevicePrefetch(iterator, run.mesh.put_batch)
+  batches = DevicePrefetch(iterator, run.mesh.put_batch, stats=run.data.stats)
   try:
     stopped_early = run_loop(run, state, batches)
     end_of_run(run, state)
@@ -814,11 +930,24 @@ class ProgressBar:
       self.bar.close()
 
 
+class _StderrHandler(logging.StreamHandler):
+  """Writes to `sys.stderr` as it is at each record: a caller of `main` that swaps it between
+  runs (a test's capture) never leaves the handler writing to a closed stream."""
+
+  @property
+  def stream(self):
+    return sys.stderr
+
+  @stream.setter
+  def stream(self, value):
+    pass
+
+
 def _log_to_stderr():
   """jaxsft's INFO lines on stderr, whatever absl or JAX did to the root logger."""
   logger = logging.getLogger("jaxsft")
   if not logger.handlers:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
@@ -830,12 +959,7 @@ def main(argv: list[str] | None = None) -> int:
 
   quiet.silence_library_noise()
   _log_to_stderr()
-  try:
-    train(config_lib.parse_args(argv))
-  except (config_lib.ConfigError, data_lib.DataError, sharding_lib.MeshError, FileNotFoundError, TrainingError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  return 0
+  return errors.run_cli(lambda: train(config_lib.parse_args(argv)) and None)
 
 
 if __name__ == "__main__":

@@ -47,15 +47,22 @@ def main(argv=None) -> int:
   if args.command == "build" and args.no_cache:
     parser.error("build writes the token store: --no-cache does not apply")
 
+  from jaxsft import errors
+
+  return errors.run_cli(lambda: _main(args))
+
+
+def _main(args) -> int:
   from jaxsft.data.records import DataError
   from jaxsft.models.hub import load_tokenizer
 
   tokenizer = load_tokenizer(args.model)
   try:
     records, tokenized, result, skipped = _tokenized(args, tokenizer)
-  except (DataError, ValueError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  except DataError:
+    raise
+  except ValueError as e:  # a setting the tokenizer or batching refuses (e.g. a bad --format)
+    raise DataError(str(e)) from None
   if args.command == "build":
     from jaxsft.data.store import describe
 

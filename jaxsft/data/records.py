@@ -35,7 +35,10 @@ import json
 import logging
 import os
 import pathlib
+import sys
 from typing import Any, Callable, Iterator
+
+from jaxsft.errors import JaxsftError
 
 logger = logging.getLogger("jaxsft.data")
 
@@ -51,7 +54,7 @@ _FORMAT_NAMES = {"alpaca": "an Alpaca", "prompt_completion": "a prompt/completio
 _BOM = b"\xef\xbb\xbf"
 
 
-class DataError(ValueError):
+class DataError(JaxsftError, ValueError):
   """Bad instruction data: the message names the file, the line or index, and the field."""
 
   def __init__(self, message: str, *, path: str | None = None, where: str | None = None,
@@ -250,6 +253,8 @@ def _read_jsonl(f) -> Iterator[tuple[str, Any]]:
       raw = json.loads(line.rstrip("\r\n"))  # columns count within the line, not past its newline
     except json.JSONDecodeError as e:
       raw = _BadLine(f"invalid JSON: {e.msg} (column {e.colno})")
+    except RecursionError:
+      raw = _BadLine(f"JSON nested deeper than Python's recursion limit ({sys.getrecursionlimit()})")
     yield f"line {lineno}", raw
 
 
@@ -337,6 +342,8 @@ def _read_json_array(f, path: str) -> Iterator[tuple[str, Any]]:
         try:
           raw, end = decoder.raw_decode(buf, pos)
           break
+        except RecursionError:
+          fail(f"nested deeper than Python's recursion limit ({sys.getrecursionlimit()})", pos)
         except json.JSONDecodeError as e:
           # A cut-off element fails near the buffer's end (a literal or number cut short) or in an
           # unterminated string; anything else is bad JSON whatever follows.

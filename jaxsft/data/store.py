@@ -39,15 +39,16 @@ import pathlib
 import shutil
 import tempfile
 import time
-import uuid
 import zlib
 from typing import Any, Sequence
 
 import numpy as np
 
+from jaxsft import run_files
 from jaxsft.data.records import SkipReport
 from jaxsft.data.tokenize import (PLAIN_CHAT_TEMPLATE, TokenizedRecords, _backend, _bos_prefix, encode_rendered,
                                   iter_rendered)
+from jaxsft.errors import JaxsftError
 from jaxsft.labels import IGNORE_INDEX
 from jaxsft.models.hub import jaxsft_cache
 
@@ -63,7 +64,7 @@ _BLOBS = ("tokens.bin", "trained.bin", "records.bin")
 _CRC_CHUNK = 1 << 24
 
 
-class StoreError(ValueError):
+class StoreError(JaxsftError, ValueError):
   """A token store that is missing, partial or damaged (the message says which file and why)."""
 
 
@@ -399,7 +400,8 @@ def open_or_build(path, tokenizer, *, max_length: int, train_on: str = "all_assi
   if store is not None:
     return StoreResult(store, False, time.perf_counter() - t0)
   root.mkdir(parents=True, exist_ok=True)
-  tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{key}.", suffix=".building", dir=root))
+  run_files.remove_leftovers(final)  # the half-built stores of builders that died
+  tmp = pathlib.Path(tempfile.mkdtemp(prefix=run_files.temp_prefix(final), suffix=".tmp", dir=root))
   tmp.chmod(0o755)  # mkdtemp makes it private; a store is as readable as any cache file
   try:
     build_store(tmp, path, tokenizer, max_length=max_length, train_on=train_on, fmt=fmt, field_map=field_map,
@@ -422,12 +424,10 @@ def _try_open(folder: pathlib.Path, *, verify: bool) -> TokenStore | None:
     return TokenStore(folder, verify=verify)
   except StoreError as e:
     logger.warning("token store damaged, rebuilding it: %s", e)
-    aside = folder.with_name(f".{folder.name}.{uuid.uuid4().hex[:8]}.damaged")
     try:
-      os.rename(folder, aside)  # atomic: a concurrent reader never sees half a deleted store
+      run_files.remove_directory(folder)  # moved aside first: a concurrent reader never sees half a store
     except OSError:
       return None  # another process moved it first
-    shutil.rmtree(aside, ignore_errors=True)
     return None
 
 

@@ -111,7 +111,7 @@ def _render(tokenizer, messages, *, generation_prompt=False) -> str:
         chat_template=None if getattr(tokenizer, "chat_template", None) else PLAIN_CHAT_TEMPLATE)
   except Exception as e:
     if _template_rejects(e):
-      raise ValueError(f"the chat template rejects the conversation: {e}") from None
+      raise DataError(f"the chat template rejects the conversation: {e}") from None
     raise
 
 

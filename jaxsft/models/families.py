@@ -213,13 +213,9 @@ def _hashable(value):
   return tuple(value) if isinstance(value, list) else value  # Llama 3, Gemma 3: several eos ids
 
 
-def from_hf_config(hf_config) -> LlamaConfig:
-  """A `LlamaConfig` from a transformers config object or a `config.json` dict.
-
-  Raises `ValueError` naming the architecture (and listing the supported ones) when it is not
-  supported, and naming the field when a supported family uses an option jaxsft lacks.
-  """
-  cfg = dict(hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict())
+def check_architecture(cfg: Mapping[str, Any]) -> None:
+  """`ValueError` naming the architecture and listing the supported ones, unless `config.json`'s
+  model_type (and architectures) is a causal LM family jaxsft builds."""
   model_type = cfg.get("model_type")
   supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_MODEL_TYPES.items())
   if model_type == "gemma3" and "text_config" in cfg:
@@ -234,6 +230,17 @@ def from_hf_config(hf_config) -> LlamaConfig:
     if arch != SUPPORTED_MODEL_TYPES[model_type]:
       raise ValueError(f"unsupported architecture {arch!r} (model_type {model_type!r}): jaxsft builds "
                        f"causal LMs only ({SUPPORTED_MODEL_TYPES[model_type]})")
+
+
+def from_hf_config(hf_config) -> LlamaConfig:
+  """A `LlamaConfig` from a transformers config object or a `config.json` dict.
+
+  Raises `ValueError` naming the architecture (and listing the supported ones) when it is not
+  supported, and naming the field when a supported family uses an option jaxsft lacks.
+  """
+  cfg = dict(hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict())
+  check_architecture(cfg)
+  model_type = cfg["model_type"]
   act = _get(cfg, "hidden_activation", "hidden_act", default="silu")
   if act not in _SUPPORTED_ACT:
     raise ValueError(f"unsupported hidden_act {act!r} for {model_type}: jaxsft supports {_SUPPORTED_ACT}")

@@ -83,6 +83,10 @@ def load_tokenizer(source: ModelSource | str):
   if isinstance(source, str):
     source = resolve_model(source)
   if source.gguf_file is None:
+    if not source.is_hub_id:
+      from jaxsft.models.loading import read_hf_config
+
+      read_hf_config(source.path, architecture_only=True)  # an unsupported architecture is named before its tokenizer loads
     return AutoTokenizer.from_pretrained(source.path)
   cached = source.cache_dir / "tokenizer"
   if (cached / "tokenizer_config.json").is_file():
@@ -95,9 +99,9 @@ def load_tokenizer(source: ModelSource | str):
 
 def _gguf_metadata(path: str) -> dict:
   """Every GGUF key-value pair (arrays as lists), read with the `gguf` package."""
-  from gguf import GGUFReader
+  from jaxsft.models.loading import open_gguf
 
-  reader = GGUFReader(path)
+  reader = open_gguf(path)
   return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
 
 

@@ -38,7 +38,8 @@ from typing import Any, NoReturn
 import numpy as np
 
 from jaxsft import run_files
-from jaxsft.models import llama
+from jaxsft.errors import ModelError
+from jaxsft.models import families, llama
 from jaxsft.models.families import FULL, SLIDING
 from jaxsft.models.hub import ModelSource, load_tokenizer, resolve_model
 
@@ -147,18 +148,28 @@ def _local_folder(source: ModelSource) -> pathlib.Path:
                                                                       "*.txt"]))
 
 
+def read_hf_config(folder: str | os.PathLike, *, architecture_only: bool = False) -> dict:
+  """FOLDER/config.json, refused (`ModelError` naming the file and the architecture, with the
+  supported list) unless jaxsft builds that model: checked before any weight or tokenizer is read.
+  `architecture_only`: only the family is checked (a tokenizer folder's config may hold no more)."""
+  config_path = pathlib.Path(folder) / "config.json"
+  try:
+    hf_config = json.loads(config_path.read_text())
+  except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
+    raise ModelError(f"{config_path}: invalid JSON ({getattr(e, 'msg', None) or e})") from None
+  if not isinstance(hf_config, dict):
+    raise ModelError(f"{config_path}: expected a JSON object, got {type(hf_config).__name__}")
+  try:
+    families.check_architecture(hf_config) if architecture_only else llama.from_hf_config(hf_config)
+  except (ValueError, KeyError, TypeError) as e:
+    raise ModelError(f"{config_path}: {e if not isinstance(e, KeyError) else f'field {e} is missing'}") from None
+  return hf_config
+
+
 def _read_hf_folder(folder: pathlib.Path) -> tuple[dict, dict[str, np.ndarray], str]:
   from safetensors.numpy import load_file
 
-  config_path = folder / "config.json"
-  try:
-    hf_config = json.loads(config_path.read_text())
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{config_path}: line {e.lineno}: invalid JSON ({e.msg})") from None
-  try:
-    llama.from_hf_config(hf_config)  # refuse an unsupported architecture before reading any weights
-  except ValueError as e:
-    raise ValueError(f"{config_path}: {e}") from None
+  hf_config = read_hf_config(folder)
   files = sorted(folder.glob("*.safetensors"))
   index = folder / "model.safetensors.index.json"
   if index.is_file():
@@ -176,15 +187,33 @@ def _read_hf_folder(folder: pathlib.Path) -> tuple[dict, dict[str, np.ndarray], 
 
 def _load_safetensors(path: pathlib.Path, load_file) -> dict[str, np.ndarray]:
   try:
-    return load_file(str(path))
-  except TypeError:  # bfloat16 is not a numpy dtype: go through flax/jax
-    from safetensors.flax import load_file as load_jax
+    try:
+      return load_file(str(path))
+    except TypeError:  # bfloat16 is not a numpy dtype: go through flax/jax
+      from safetensors.flax import load_file as load_jax
 
-    return {k: np.asarray(v.astype("float32")) for k, v in load_jax(str(path)).items()}
+      return {k: np.asarray(v.astype("float32")) for k, v in load_jax(str(path)).items()}
+  except OSError:
+    raise
+  except Exception as e:  # safetensors' own SafetensorError (a bad header), or a length it cannot allocate
+    raise ModelError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
 
 
 # ---------------------------------------------------------------------------------------------
 # GGUF
+
+
+def open_gguf(path: str | os.PathLike):
+  """A `gguf.GGUFReader` of `path`; a header it cannot parse (a count or length no file holds,
+  a cut file) is a `ModelError` naming the file."""
+  from gguf import GGUFReader
+
+  try:
+    return GGUFReader(str(path))
+  except OSError:
+    raise
+  except Exception as e:  # the reader's IndexError, ValueError or MemoryError on a hostile header
+    raise ModelError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
 
 
 def _field(reader, key: str, default=None):
@@ -358,11 +387,10 @@ def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
 def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
   """`(hf_config, hf_named_float32_tensors)` from a GGUF file, dequantized with numpy, with
   llama.cpp's q/k permutation and Gemma's 1 + w norms undone."""
-  from gguf import GGUFReader
   from gguf.quants import dequantize
 
   path = str(path)
-  reader = GGUFReader(path)
+  reader = open_gguf(path)
   config = gguf_config(reader, path)
   arch = _field(reader, "general.architecture")
   layer_names = gguf_layer_names(arch)

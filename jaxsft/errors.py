@@ -1,0 +1,74 @@
+"""Refusals and the one way a jaxsft command turns them into an exit status.
+
+A refusal is an input or environment jaxsft cannot work with (a bad config key, a malformed
+record, an unsupported model, a full disk): the command prints one line, `error: <reason>`, on
+stderr and exits with `EXIT_USAGE`. Anything else is a bug and keeps its traceback.
+
+Every refusal class derives from `JaxsftError`; each keeps the builtin base it had before
+(`ValueError`, `RuntimeError`), so a caller catching that still catches it.
+"""
+
+from __future__ import annotations
+
+import errno
+import sys
+from typing import Callable
+
+EXIT_USAGE = 2
+"""The exit status of a refusal (argparse's, for a bad command line, is the same)."""
+EXIT_INTERRUPTED = 130
+
+# OSErrors that say something about the machine or the user's paths, not about jaxsft.
+ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT,
+                                errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.EMFILE})
+
+
+class JaxsftError(Exception):
+  """Base of every refusal: the message is the whole story (file, line or key, and the fix)."""
+
+
+class ModelError(JaxsftError, ValueError):
+  """A model jaxsft cannot load: an unsupported architecture or a malformed config or weights file."""
+
+
+def environment_failure(error: BaseException) -> OSError | None:
+  """The OSError behind `error` (itself, or along its cause/context chain) when it is an
+  environment failure (disk full, permission, missing path); None otherwise."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError) and error.errno in ENVIRONMENT_ERRNOS:
+      return error
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def refusal_message(error: BaseException) -> str | None:
+  """The `error:` line's text for a refusal; None for a bug (which keeps its traceback)."""
+  if isinstance(error, JaxsftError):
+    return str(error)
+  if isinstance(error, RecursionError):
+    return f"input nested too deeply to read ({error})"
+  failure = environment_failure(error)
+  if failure is not None:
+    reason = failure.strerror or str(failure)
+    where = f": {failure.filename}" if failure.filename else ""
+    context = "" if failure is error else f" ({type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]})"
+    return f"{reason}{where}{context}"
+  return None
+
+
+def run_cli(body: Callable[[], int | None]) -> int:
+  """Runs a command's body: its return value is the exit status (None: 0); a refusal is one
+  `error:` line on stderr and `EXIT_USAGE`; Ctrl-C is `EXIT_INTERRUPTED`; a bug propagates."""
+  try:
+    status = body()
+  except KeyboardInterrupt:
+    return EXIT_INTERRUPTED
+  except Exception as e:
+    message = refusal_message(e)
+    if message is None:
+      raise
+    print(f"error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+  return 0 if status is None else int(status)
