@@ -126,3 +126,25 @@ def test_priced_compiles_choose_how_many_buckets():
     results[(compile_s, epochs)] = len(got)
   # Free compiles: many buckets; dear compiles: fewer; a longer run buys back more of them.
   assert results[(30.0, 1)] < results[(30.0, 50)] <= results[(0.0, 1)]
+
+
+def test_batches_per_shape_counts_what_the_pipeline_emits(tokenizer):
+  """The cost model's batch counts per shape are the pipeline's, for every mode (one epoch, the
+  records' order)."""
+  import collections
+
+  from jaxsft.data import make_batches, synthetic, tokenize_records
+  from jaxsft.data.choose import batches_per_shape
+
+  records = synthetic.make_dataset(60, seed=4)
+  tokens = tokenize_records(tokenizer, records, max_length=128)
+  lengths = tokens.lengths
+  for batching, buckets in (("static", None), ("dynamic", None), ("bucketed", [48, 80, 128]), ("packed", None),
+                            ("bucketed_packed", [64, 128])):
+    emitted = collections.Counter(b["input_ids"].shape for b in make_batches(
+        records, tokenizer, max_length=128, batching=batching, bucket_lengths=buckets, batch_size=4, shuffle=False,
+        tokenized=tokens))
+    per_shape, shapes = batches_per_shape(batching, lengths, max_length=128, batch_size_for=lambda t: 4,
+                                          bucket_lengths=buckets)
+    assert per_shape == dict(emitted), batching
+    assert set(per_shape) <= set(shapes)

@@ -94,3 +94,73 @@ class Candidate:
   def summary(self) -> dict:
     return {"name": self.name, "batching": self.batching, "shapes": [list(s) for s in self.shapes],
             "predicted_seconds": self.predicted.to_dict()}
+
+
+def batches_per_shape(batching: str, lengths: Sequence[int], *, max_length: int, batch_size_for: Callable[[int], int],
+                      bucket_lengths: Sequence[int] | None = None,
+                      pad_to_multiple_of: int = 8) -> tuple[dict[tuple[int, int], int], list[tuple[int, int]]]:
+  """(batches per (B, T) of one epoch, shapes compiled) of a mode over kept `lengths` in epoch order
+  (see the module docstring); `bucket_lengths` are the buckets or widths of the bucketed modes."""
+  lengths = np.minimum(np.asarray(lengths, dtype=np.int64), max_length)
+  widest = (batch_size_for(max_length), max_length)
+  if batching == "static":
+    return {widest: -(-len(lengths) // widest[0])}, [widest]
+  if batching == "packed":
+    return packed_batches_per_shape(lengths, [max_length], batch_size_for), [widest]
+  if batching == "bucketed_packed":
+    per_shape = packed_batches_per_shape(lengths, bucket_lengths, batch_size_for)
+    return per_shape, sorted((batch_size_for(t), t) for t in bucket_lengths)
+  if batching == "bucketed":
+    index = np.atleast_1d(bucket_index(lengths, sorted(bucket_lengths)))
+    counts = np.bincount(index, minlength=len(bucket_lengths))
+    shapes = [(batch_size_for(t), int(t)) for t in sorted(bucket_lengths)]
+    return {s: -(-int(n) // s[0]) for s, n in zip(shapes, counts) if n}, shapes
+  if batching == "dynamic":
+    size, m = widest[0], max(pad_to_multiple_of, 1)
+    widths = np.minimum(-(-lengths // m) * m, max_length)
+    per_shape: dict[tuple[int, int], int] = {}
+    for start in range(0, len(widths), size):
+      shape = (size, int(widths[start:start + size].max()))
+      per_shape[shape] = per_shape.get(shape, 0) + 1
+    return per_shape, [(size, int(w)) for w in sorted(set(widths.tolist()))]  # any batch may end at any width
+  raise ValueError(f"no cost model for batching {batching!r}")
+
+
+def choose_collation(lengths: Sequence[int], *, cost: StepCost, max_length: int, batch_size_for: Callable[[int], int],
+                     pad_to_multiple_of: int = 8, epochs: float = 1.0, max_buckets: int = 16,
+                     modes: Sequence[str] = ("static", "dynamic", "bucketed", "packed", "bucketed_packed"),
+                     fixed_bucket_counts: Sequence[int] = (2, 4, 8, 16)) -> list[Candidate]:
+  """Every candidate plan of `modes` priced by `cost` over `epochs` epochs, cheapest first.
+
+  Bucketed: "bucketed auto" (the DP with fill rows, step cost and compiles priced, K <= max_buckets)
+  and the DP's boundaries at each of `fixed_bucket_counts` (with steps priced, not compiles, as
+  `num_buckets: K` runs them); bucketed packing: the widths `choose_packing_widths` picks
+  (compiles priced, at most `MAX_PACKING_WIDTHS`).
+  """
+  lengths = np.minimum(np.asarray(lengths, dtype=np.int64), max_length)
+  common = dict(multiple_of=pad_to_multiple_of, max_length=max_length)
+  plans: list[tuple[str, str, list[int] | None, int | None]] = []  # (name, batching, buckets, num_buckets)
+  for mode in modes:
+    if mode == "bucketed":
+      buckets = choose_buckets(lengths, max_buckets, batch_size=batch_size_for, cost=cost, epochs=epochs,
+                               price_compiles=True, **common)
+      plans.append(("bucketed auto", "bucketed", buckets, len(buckets)))
+      for k in fixed_bucket_counts:
+        plans.append((f"bucketed K={k}", "bucketed",
+                      choose_buckets(lengths, k, batch_size=batch_size_for, cost=cost, epochs=epochs, **common), k))
+    elif mode == "bucketed_packed":
+      widths = choose_packing_widths(lengths, MAX_PACKING_WIDTHS, batch_size_for=batch_size_for, cost=cost,
+                                     epochs=epochs, price_compiles=True, **common)
+      plans.append(("bucketed_packed auto", "bucketed_packed", widths, len(widths)))
+    else:
+      plans.append((mode, mode, None, None))
+  out = []
+  for name, batching, buckets, num_buckets in plans:
+    per_shape, shapes = batches_per_shape(batching, lengths, max_length=max_length, batch_size_for=batch_size_for,
+                                          bucket_lengths=buckets, pad_to_multiple_of=pad_to_multiple_of)
+    arguments = {"batching": batching, "bucket_lengths": buckets}
+    if num_buckets is not None:
+      arguments["num_buckets"] = num_buckets
+    out.append(Candidate(name, arguments, per_shape, tuple(shapes),
+                         plan_seconds(cost, per_shape, shapes, epochs=epochs)))
+  return sorted(out, key=lambda c: c.predicted.total)
