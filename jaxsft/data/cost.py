@@ -3,18 +3,20 @@ summed over the run's planned steps. Pure functions of numbers; nothing here tim
 
 A step on a (B, T) batch costs
 
-    step_seconds(B, T) = a + b·B·T + c·B·T²
+    step_seconds(B, T) = a + b·B·T + c·B·T²   (+ h per trained token)
 
 (`a`: dispatch, optimizer update and other per-step work; `b`: everything linear in the tokens:
-projections, MLP, LM head; `c`: attention's scores and weighted sums, quadratic in the width).
-B·T counts every computed token, fill rows and padding included: the model computes on them.
+projections, MLP; `c`: attention's scores and weighted sums, quadratic in the width; `h`: the LM
+head and loss, which run only where a label is trained). B·T counts every computed token, fill
+rows and padding included: the model computes on them. The trained tokens are the data's, the
+same whatever the collation, so `h` moves every plan's time alike.
 Compiling a shape costs
 
     compile_seconds(B, T) = p + q·T
 
 and a plan that emits n_s batches of shape s over the run and compiles the set S costs
 
-    seconds(plan) = Σ_s n_s · step_seconds(s)  +  Σ_{s ∈ S} compile_seconds(s).
+    seconds(plan) = Σ_s n_s · step_seconds(s)  +  h · trained tokens  +  Σ_{s ∈ S} compile_seconds(s).
 
 `fit_step_cost` fits (a, b, c) by non-negative least squares to measured (B, T, seconds) triples,
 with fewer terms when there are too few distinct shapes to tell them apart.
@@ -40,6 +42,7 @@ class StepCost:
   c: float
   compile_base: float = 0.0
   compile_per_width: float = 0.0
+  per_trained_token: float = 0.0
   source: str = "given"
 
   def step_seconds(self, batch_size, width):
@@ -75,8 +78,12 @@ def _nonnegative_least_squares(design: np.ndarray, target: np.ndarray) -> np.nda
 
 
 def fit_step_cost(samples: Iterable[tuple[int, int, float]],
-                  compile_samples: Iterable[tuple[int, int, float]] = ()) -> StepCost:
+                  compile_samples: Iterable[tuple[int, int, float]] = (),
+                  trained_samples: Iterable[tuple[int, int, float]] = ()) -> StepCost:
   """Fits `StepCost` to measured `(B, T, step seconds)` and `(B, T, compile seconds)` triples.
+
+  `samples` are steps with no label trained; `trained_samples` steps of the same shapes with every
+  label trained: h is the mean of (trained - untrained seconds) / (B·T) over them (at least 0).
 
   Non-negative least squares over the terms the samples can tell apart: a, b·B·T and c·B·T² with
   three or more distinct shapes; a and b·B·T with two; b·B·T alone with one (the step is then
@@ -103,7 +110,11 @@ def fit_step_cost(samples: Iterable[tuple[int, int, float]],
       compile_coef = _nonnegative_least_squares(np.stack([np.ones_like(widths), widths], axis=1), compile_seconds)
     else:
       compile_coef[0] = compile_seconds.mean()
-  return StepCost(*map(float, coef), *map(float, compile_coef), source=f"measured: {distinct} shapes")
+  untrained = {(b, t): s for b, t, s in samples}
+  extra = [(s - untrained[(b, t)]) / (b * t) for b, t, s in trained_samples if (b, t) in untrained]
+  per_trained = max(float(np.mean(extra)), 0.0) if extra else 0.0
+  return StepCost(*map(float, coef), *map(float, compile_coef), per_trained_token=per_trained,
+                  source=f"measured: {distinct} shapes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,13 +141,16 @@ def epochs_planned(batches_per_epoch: int, *, epochs: int, max_steps: int | None
 
 
 def plan_seconds(cost: StepCost, batches_per_shape: Mapping[tuple[int, int], float],
-                 compiled_shapes: Sequence[tuple[int, int]], *, epochs: float = 1.0) -> PlanSeconds:
-  """Σ_s epochs·n_s·step_seconds(s) + Σ_{s compiled} compile_seconds(s).
+                 compiled_shapes: Sequence[tuple[int, int]], *, epochs: float = 1.0,
+                 trained_tokens: int = 0) -> PlanSeconds:
+  """epochs·(Σ_s n_s·step_seconds(s) + h·trained_tokens) + Σ_{s compiled} compile_seconds(s).
 
   `batches_per_shape`: batches of each (B, T) in one epoch (fill rows are in B·T already: a batch
   with fill rows costs what a full one does). `compiled_shapes`: the shapes compiled before step 1.
+  `trained_tokens`: labels trained in one epoch.
   """
   steps = sum(float(n) * float(cost.step_seconds(b, t)) for (b, t), n in batches_per_shape.items())
+  steps += cost.per_trained_token * trained_tokens
   compiles = sum(float(cost.compile_seconds(b, t)) for b, t in compiled_shapes)
   return PlanSeconds(steps * epochs, compiles)
 
