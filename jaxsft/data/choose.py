@@ -129,8 +129,9 @@ def batches_per_shape(batching: str, lengths: Sequence[int], *, max_length: int,
 def choose_collation(lengths: Sequence[int], *, cost: StepCost, max_length: int, batch_size_for: Callable[[int], int],
                      pad_to_multiple_of: int = 8, epochs: float = 1.0, max_buckets: int = 16,
                      modes: Sequence[str] = ("static", "dynamic", "bucketed", "packed", "bucketed_packed"),
-                     fixed_bucket_counts: Sequence[int] = (2, 4, 8, 16)) -> list[Candidate]:
-  """Every candidate plan of `modes` priced by `cost` over `epochs` epochs, cheapest first.
+                     fixed_bucket_counts: Sequence[int] = (2, 4, 8, 16), trained_tokens: int = 0) -> list[Candidate]:
+  """Every candidate plan of `modes` priced by `cost` over `epochs` epochs (`trained_tokens` a
+  epoch: the same for all), cheapest first.
 
   Bucketed: "bucketed auto" (the DP with fill rows, step cost and compiles priced, K <= max_buckets)
   and the DP's boundaries at each of `fixed_bucket_counts` (with steps priced, not compiles, as
@@ -162,5 +163,5 @@ def choose_collation(lengths: Sequence[int], *, cost: StepCost, max_length: int,
     if num_buckets is not None:
       arguments["num_buckets"] = num_buckets
     out.append(Candidate(name, arguments, per_shape, tuple(shapes),
-                         plan_seconds(cost, per_shape, shapes, epochs=epochs)))
+                         plan_seconds(cost, per_shape, shapes, epochs=epochs, trained_tokens=trained_tokens)))
   return sorted(out, key=lambda c: c.predicted.total)
