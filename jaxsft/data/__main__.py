@@ -124,8 +124,10 @@ def _stats(args, tokenizer, records, tokenized, skipped: int) -> int:
                             train_on=args.train_on, tokenized=tokenized)
   print(format_comparison(result, predict_seconds(result, args.cost, epochs=args.epochs)))
   from jaxsft.data.choose import choose_collation
+  from jaxsft.data.collate import round_up
 
-  candidates = choose_collation(tokenized.lengths, cost=args.cost, max_length=args.max_length,
+  longest = min(args.max_length, round_up(int(tokenized.lengths.max()), args.pad_to_multiple_of))  # as the trainer
+  candidates = choose_collation(tokenized.lengths, cost=args.cost, max_length=longest,
                                 batch_size_for=lambda width: args.batch_size, pad_to_multiple_of=args.pad_to_multiple_of,
                                 epochs=args.epochs, trained_tokens=result["static"]["trained"])
   best = candidates[0]
