@@ -13,8 +13,14 @@ once per collation mode:
   bucketed pow2     T = the smallest of 32, 64, ..., max_length that fits
   bucketed K=k      `choose_buckets`' k boundaries (exact DP over the subset's lengths), k = 2, 4, 8, 16
   packed            first-fit packing into rows of max_length (segment ids, restarted positions)
+  bucketed_packed   rows of at most 4 widths, each example in the narrowest that holds it, each
+                    width packed first-fit (the pipeline's widths under the default cost)
+  auto              what `batching: auto` chooses (`jaxsft.data.choose.choose_collation`) under the
+                    cost model fitted to this study's per-shape timings
 
-and reports distinct batch shapes (= compiles), padded / real / trained tokens and waste.
+and reports distinct batch shapes (= compiles), padded / real / trained tokens and waste, and
+beside each mode's composed end-to-end time the cost model's prediction (a + b·B·T + c·B·T² per
+step and p + q·T per compile, least-squares fitted to the per-shape timings: `predicted`).
 
 Timing. The step is jaxsft's train step (`benchmarks.common.JaxsftStep`: the trainer's
 `make_step_functions` + `CompiledSteps`, LoRA r 8 on q/v, clip + AdamW). On a CPU, running every batch
@@ -37,7 +43,8 @@ batch) and puts the measured time beside the composed one. Steady-state tokens/s
 (compiles excluded); "real" counts attention_mask tokens, "trained" counts labels != -100.
 
 Writes benchmarks/results/collation{suffix}.json, .md and .png (waste % against shapes: the
-Pareto front of the study).
+Pareto front of the study) and collation{suffix}_k.png (end to end against K, auto's choice
+marked). `--model smollm2-135m-instruct` times the real model.
 """
 
 from __future__ import annotations
@@ -53,7 +60,8 @@ import numpy as np
 from benchmarks import common
 
 MODES = ("static", "dynamic x8", "bucketed pow2", "bucketed K=2", "bucketed K=4", "bucketed K=8",
-         "bucketed K=16", "packed")
+         "bucketed K=16", "packed", "bucketed_packed", "auto")
+PACKED_MODES = ("packed", "bucketed_packed")
 
 
 def pow2_buckets(max_length: int, smallest: int = 32) -> list[int]:
@@ -65,9 +73,16 @@ def pow2_buckets(max_length: int, smallest: int = 32) -> list[int]:
   return out + [max_length]
 
 
-def mode_config(mode: str, *, max_length: int, batch_size: int) -> dict:
-  """`make_batches` / `batch_shapes` keyword arguments of a collation mode."""
+def mode_config(mode: str, *, max_length: int, batch_size: int, auto: dict | None = None) -> dict:
+  """`make_batches` / `batch_shapes` keyword arguments of a collation mode (`auto`: the batching
+  arguments `choose_collation` picked)."""
   cfg = dict(max_length=max_length, batch_size=batch_size, pad_to_multiple_of=8)
+  if mode == "auto":
+    if auto is None:
+      raise ValueError("mode auto needs the chosen batching (choose_collation's first candidate)")
+    return dict(cfg, **{k: v for k, v in auto.items() if v is not None})
+  if mode == "bucketed_packed":
+    return dict(cfg, batching="bucketed_packed", num_buckets=4)
   if mode == "static":
     return dict(cfg, batching="static")
   if mode == "dynamic x8":
@@ -82,12 +97,13 @@ def mode_config(mode: str, *, max_length: int, batch_size: int) -> dict:
 
 
 # --------------------------------------------------------------------------- counting
-def count_mode(records, tokenizer, mode: str, *, max_length: int, batch_size: int, seed: int = 0, tokenized=None):
+def count_mode(records, tokenizer, mode: str, *, max_length: int, batch_size: int, seed: int = 0, tokenized=None,
+               auto: dict | None = None):
   """One epoch of the real pipeline (from `tokenized`, a `TokenizedRecords`, when given):
   (summary, list of (shape, packed) per batch)."""
   from jaxsft.data import PipelineStats, batch_shapes, make_batches
 
-  config = dict(mode_config(mode, max_length=max_length, batch_size=batch_size), tokenized=tokenized)
+  config = dict(mode_config(mode, max_length=max_length, batch_size=batch_size, auto=auto), tokenized=tokenized)
   stats = PipelineStats()
   start = time.perf_counter()
   shapes = [tuple(b["input_ids"].shape)
@@ -104,7 +120,8 @@ def count_mode(records, tokenizer, mode: str, *, max_length: int, batch_size: in
       "shapes": len(distinct), "listed_shapes": len(listed), "distinct_shapes": distinct, "compiled_shapes": compiled,
       "truncated": stats.truncated, "dropped": stats.dropped, "pipeline_s": pipeline_s,
   }
-  if config["batching"] == "bucketed":
+  summary["batching"] = config["batching"]
+  if config["batching"] in ("bucketed", "bucketed_packed"):
     summary["buckets"] = [t for _, t in listed]
   return summary, shapes
 
@@ -192,26 +209,59 @@ def compose(summary: dict, shapes, calibration: dict, *, packed: bool, batch_siz
 
 
 def measure(model, cfg, records, tokenizer, mode: str, *, max_length: int, batch_size: int, seed: int = 0,
-            tokenized=None) -> dict:
+            tokenized=None, auto: dict | None = None) -> dict:
   """A real run of one epoch, as the trainer does it: pipeline, AOT compile of every shape the
   epoch emits (all listed shapes but for dynamic, whose 128 listed widths would all be compiled
   by jaxsft's trainer; here only the widths that occur), then every batch."""
   from jaxsft.data import batch_shapes, make_batches
 
-  config = dict(mode_config(mode, max_length=max_length, batch_size=batch_size), tokenized=tokenized)
+  config = dict(mode_config(mode, max_length=max_length, batch_size=batch_size, auto=auto), tokenized=tokenized)
   start = time.perf_counter()
   step = common.JaxsftStep(model, cfg)
   batches = list(make_batches(records, tokenizer, seed=seed, num_epochs=1, **config))
   shapes = sorted({tuple(b["input_ids"].shape) for b in batches})
   if config["batching"] != "dynamic":  # as count_mode's compiled_shapes
     shapes = sorted(set(shapes) | set(batch_shapes(records, tokenizer, **config)))
-  warm = step.warm_up(shapes, packed=config["batching"] == "packed")
+  warm = step.warm_up(shapes, packed=config["batching"] in PACKED_MODES)
   t_steps = time.perf_counter()
   losses = [step.step(b) for b in batches]
   end = time.perf_counter()
   return {"end_to_end_s": end - start, "compile_s": warm["seconds"], "compiles": warm["compiles"],
           "step_s": end - t_steps, "batches": len(batches), "recompiles": step.recompiles,
           "first_loss": losses[0], "last_loss": losses[-1]}
+
+
+def fit_cost(calibration: dict):
+  """The cost model (`jaxsft.data.cost.StepCost`) least-squares fitted to the padded calibration
+  points: step seconds a + b·B·T + c·B·T², compile seconds p + q·T."""
+  from jaxsft.data.cost import fit_step_cost
+
+  points = [p for p in calibration["points"] if not p["packed"]]
+  return fit_step_cost([(*p["shape"], p["step_s"]) for p in points], [(*p["shape"], p["compile_s"]) for p in points])
+
+
+def choose_auto(tokenized, cost, *, max_length: int, batch_size: int, trained: int) -> dict:
+  """What `batching: auto` picks for one epoch of these examples under `cost`, with the runners-up.
+  As the trainer does, max_length becomes the longest example rounded up to 8 (the widest bucket)."""
+  from jaxsft.data import round_up
+  from jaxsft.data.choose import choose_collation
+
+  max_length = min(max_length, round_up(int(tokenized.lengths.max()), 8))
+  candidates = choose_collation(tokenized.lengths, cost=cost, max_length=max_length, batch_size_for=lambda t: batch_size,
+                                epochs=1.0, trained_tokens=trained)
+  best = candidates[0]
+  return {"name": best.name, "batching": best.batching, "max_length": max_length,
+          "candidates": [{"name": c.name, "predicted_s": c.predicted.total} for c in candidates]}
+
+
+def predict(summary: dict, shapes, cost, calibration: dict) -> dict:
+  """The cost model's end to end of a mode: its batches' steps and its compiled shapes priced by
+  `cost`, plus the same pipeline and one-off compile seconds as the composed figure."""
+  from jaxsft.data.cost import plan_seconds
+
+  seconds = plan_seconds(cost, collections.Counter(map(tuple, shapes)), [tuple(s) for s in summary["compiled_shapes"]])
+  return {"step_s": seconds.steps, "compile_s": calibration["fixed_compile_s"] + seconds.compiles,
+          "end_to_end_s": summary["pipeline_s"] + calibration["fixed_compile_s"] + seconds.total}
 
 
 # --------------------------------------------------------------------------- the study
@@ -238,7 +288,7 @@ def run_study(*, datasets, model_name: str, examples: int, max_length: int, batc
     per = {"records": len(records), "tokenize_s": time.perf_counter() - t0, "modes": {}, "shapes_of": {},
            "per_example_floor_waste_pct": 100 * (1 - lengths.sum() / floor.sum()),
            "length_p50_p90_max": [float(np.percentile(lengths, 50)), float(np.percentile(lengths, 90)), int(lengths.max())]}
-    for mode in MODES:
+    for mode in (m for m in MODES if m != "auto"):  # auto needs the fitted cost: counted after calibration
       summary, shapes = count_mode(records, tokenizer, mode, max_length=max_length, batch_size=batch_size, seed=seed,
                                    tokenized=tokenized_of[name])
       per["modes"][mode] = summary
@@ -254,10 +304,23 @@ def run_study(*, datasets, model_name: str, examples: int, max_length: int, batc
   calibration = calibrate(model, cfg, batch_size=batch_size, lengths=grid, max_length=max_length, reps=reps, log=log)
   calibration["seconds"] = time.perf_counter() - t0
   result["calibration"] = calibration
+  cost = fit_cost(calibration)
+  result["cost"] = cost.to_dict()
   for name, per in result["datasets"].items():
+    per["auto"] = choose_auto(tokenized_of[name], cost, max_length=max_length, batch_size=batch_size,
+                              trained=per["modes"]["static"]["trained"])
+    auto_max = per["auto"]["max_length"]
+    summary, shapes = count_mode(records_of[name], tokenizer, "auto", max_length=auto_max, batch_size=batch_size,
+                                 seed=seed, tokenized=tokenized_of[name].with_max_length(auto_max),
+                                 auto=per["auto"]["batching"])
+    per["modes"]["auto"], per["shapes_of"]["auto"] = summary, shapes
+    log(f"{name:28} auto -> {per['auto']['name']} {per['auto']['batching'].get('bucket_lengths') or ''}")
     for mode, summary in per["modes"].items():
-      summary["composed"] = compose(summary, per["shapes_of"][mode], calibration, packed=mode == "packed",
-                                    batch_size=batch_size)
+      # Packed rows cost what padded rows of their shape do (the calibration's packed point), so
+      # bucketed packing's narrower widths are priced from the padded points.
+      summary["composed"] = compose(summary, per["shapes_of"][mode], calibration,
+                                    packed=summary["batching"] == "packed", batch_size=batch_size)
+      summary["predicted"] = predict(summary, per["shapes_of"][mode], cost, calibration)
     del per["shapes_of"]
     for summary in per["modes"].values():
       summary["distinct_shapes"] = [list(s) for s in summary["distinct_shapes"]]
@@ -269,12 +332,16 @@ def run_study(*, datasets, model_name: str, examples: int, max_length: int, batc
     if name not in records_of or mode not in MODES:
       raise SystemExit(f"--validate {item!r}: dataset must be one of {list(records_of)} and mode one of {MODES}")
     jax.clear_caches()
-    measured = measure(model, cfg, records_of[name], tokenizer, mode, max_length=max_length, batch_size=batch_size,
-                       seed=seed, tokenized=tokenized_of[name])
-    composed = result["datasets"][name]["modes"][mode]["composed"]
+    auto = result["datasets"][name]["auto"]
+    length = auto["max_length"] if mode == "auto" else max_length
+    measured = measure(model, cfg, records_of[name], tokenizer, mode, max_length=length, batch_size=batch_size,
+                       seed=seed, tokenized=tokenized_of[name].with_max_length(length), auto=auto["batching"])
+    summary = result["datasets"][name]["modes"][mode]
     result["validation"].append({"dataset": name, "mode": mode, "measured": measured,
-                                 "composed_end_to_end_s": composed["end_to_end_s"]})
-    log(f"validate {name} {mode}: measured {measured['end_to_end_s']:.1f}s, composed {composed['end_to_end_s']:.1f}s")
+                                 "composed_end_to_end_s": summary["composed"]["end_to_end_s"],
+                                 "predicted_end_to_end_s": summary["predicted"]["end_to_end_s"]})
+    log(f"validate {name} {mode}: measured {measured['end_to_end_s']:.1f}s, composed "
+        f"{summary['composed']['end_to_end_s']:.1f}s, predicted {summary['predicted']['end_to_end_s']:.1f}s")
   result["findings"] = findings(result)
   return result
 
@@ -290,7 +357,13 @@ def findings(result: dict) -> dict:
     e2e = {m: s["composed"]["end_to_end_s"] for m, s in modes.items()}
     k8 = e2e["bucketed K=8"]
     buckets = {m: modes[m]["waste_pct"] for m in MODES if m.startswith("bucketed")}
-    out[name] = {"fewest_buckets_within_2_points_of_dynamic": min(close) if close else None,
+    fixed = {m: e for m, e in e2e.items() if m != "auto"}
+    best_fixed = min(fixed, key=fixed.get)
+    out[name] = {"auto_choice": per["auto"]["name"], "best_fixed": best_fixed,
+                 "auto_over_best_fixed": e2e["auto"] / fixed[best_fixed],
+                 "predicted_over_composed": {m: s["predicted"]["end_to_end_s"] / s["composed"]["end_to_end_s"]
+                                             for m, s in modes.items()},
+                 "fewest_buckets_within_2_points_of_dynamic": min(close) if close else None,
                  "lowest_waste_bucketed": min(buckets, key=buckets.get),
                  "fastest_end_to_end": min(e2e, key=e2e.get),
                  "k8_over_static": k8 / e2e["static"], "k8_over_dynamic": k8 / e2e["dynamic x8"],
@@ -324,17 +397,28 @@ def markdown(result: dict, command: str) -> str:
               f"Tokens per example (after truncation): p50 {p50:.0f}, p90 {p90:.0f}, max {longest}. Padding floor "
               f"(every example alone, rounded up to a multiple of 8): {per['per_example_floor_waste_pct']:.1f}% waste.", "",
               "| mode | shapes (listed) | batches | padded | real | trained | waste % | compiles | compile s | "
-              "real tok/s | trained tok/s | end to end s |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "real tok/s | trained tok/s | end to end s | predicted s |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for mode, s in per["modes"].items():
       c = s["composed"]
       lines.append(f"| {mode} | {s['shapes']} ({s['listed_shapes']}) | {s['batches']} | {s['padded']:,} | "
                    f"{s['real']:,} | {s['trained']:,} | {s['waste_pct']:.1f} | {c['compiles']} | "
                    f"{c['compile_s']:.1f} | {c['real_tokens_per_s']:,.0f} | {c['trained_tokens_per_s']:,.0f} | "
-                   f"{c['end_to_end_s']:.1f} |")
+                   f"{c['end_to_end_s']:.1f} | {s['predicted']['end_to_end_s']:.1f} |")
     buckets = {m: s["buckets"] for m, s in per["modes"].items() if "buckets" in s}
-    lines += [""] + [f"- {m} boundaries: {b}" for m, b in buckets.items()] + [""]
-  lines += ["## Findings", "",
+    runners = ", ".join(f"{c['name']} {c['predicted_s']:.1f} s" for c in per["auto"]["candidates"][1:4])
+    lines += [""] + [f"- {m} boundaries: {b}" for m, b in buckets.items()]
+    lines += [f"- auto chose {per['auto']['name']} (predicted steps + compiles; runners-up: {runners})", ""]
+  lines += ["## auto against the grid", "",
+            "*auto / best fixed*: auto's composed end to end over the best other mode's; *predicted / composed*: "
+            "the cost model's end to end over the composed one, the worst mode of the file.", "",
+            "| data | auto chose | best fixed | auto / best fixed | predicted / composed, worst mode |",
+            "| --- | --- | --- | ---: | ---: |"]
+  for name, f in result["findings"].items():
+    worst = max(f["predicted_over_composed"], key=lambda m: abs(f["predicted_over_composed"][m] - 1))
+    lines.append(f"| {name} | {f['auto_choice']} | {f['best_fixed']} | {f['auto_over_best_fixed']:.2f} | "
+                 f"{f['predicted_over_composed'][worst]:.2f} ({worst}) |")
+  lines += ["", "## Findings", "",
             "| data | fewest chosen buckets within 2 points of dynamic's waste | lowest-waste bucketing | "
             "fastest end to end | K=8 / static (end to end) | K=8 / dynamic | K=8 below both |",
             "| --- | ---: | --- | --- | ---: | ---: | --- |"]
@@ -354,12 +438,14 @@ def markdown(result: dict, command: str) -> str:
                  f"{p['xla_compile_s']:.1f} | {p['step_s']:.3f} | {b * t / p['step_s']:,.0f} |")
   if result["validation"]:
     lines += ["", "## Composed against measured (real runs: pipeline, compiles, every batch)", "",
-              "| data | mode | batches | compiles | measured end to end s | composed s | measured / composed |",
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+              "| data | mode | batches | compiles | measured end to end s | composed s | measured / composed | "
+              "predicted s | predicted / measured |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for v in result["validation"]:
       m = v["measured"]
       lines.append(f"| {v['dataset']} | {v['mode']} | {m['batches']} | {m['compiles']} | {m['end_to_end_s']:.1f} | "
-                   f"{v['composed_end_to_end_s']:.1f} | {m['end_to_end_s'] / v['composed_end_to_end_s']:.2f} |")
+                   f"{v['composed_end_to_end_s']:.1f} | {m['end_to_end_s'] / v['composed_end_to_end_s']:.2f} | "
+                   f"{v['predicted_end_to_end_s']:.1f} | {v['predicted_end_to_end_s'] / m['end_to_end_s']:.2f} |")
   return "\n".join(lines) + "\n"
 
 
@@ -388,6 +474,42 @@ def plot(result: dict, path) -> None:
   ax.set_ylabel("padding waste % of computed tokens")
   ax.set_title(f"Padding waste vs compiled shapes (max_length {result['max_length']}, batch {result['batch_size']}, "
                f"{result['examples']} records per dataset)", fontsize=9)
+  ax.grid(True, alpha=0.3)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def plot_k(result: dict, path) -> None:
+  """End to end (composed) against the number of buckets K per dataset, auto's choice marked (a
+  star at its number of compiled shapes), packing and bucketed packing as horizontal lines."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(8, 5))
+  for (name, per), color in zip(result["datasets"].items(), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
+    modes = per["modes"]
+    ks = [m for m in MODES if m.startswith("bucketed K=")]
+    ax.plot([int(m.split("=")[1]) for m in ks], [modes[m]["composed"]["end_to_end_s"] for m in ks], "o-", color=color,
+            label=name)
+    auto = modes["auto"]
+    ax.plot(max(len(auto["compiled_shapes"]), 1), auto["composed"]["end_to_end_s"], "*", color=color, markersize=14,
+            markeredgecolor="black")
+    ax.annotate(per["auto"]["name"], (max(len(auto["compiled_shapes"]), 1), auto["composed"]["end_to_end_s"]),
+                fontsize=7, color=color, xytext=(5, -10), textcoords="offset points")
+    for mode, style in (("packed", ":"), ("bucketed_packed", "--")):
+      ax.axhline(modes[mode]["composed"]["end_to_end_s"], color=color, linestyle=style, linewidth=0.8)
+  ax.plot([], [], "*", color="gray", markersize=12, markeredgecolor="black", label="auto's choice (x = its shapes)")
+  ax.plot([], [], ":", color="gray", label="packed")
+  ax.plot([], [], "--", color="gray", label="bucketed_packed")
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("buckets K (compiled shapes)")
+  ax.set_ylabel("end to end s (pipeline + compiles + steps, one epoch)")
+  ax.set_title(f"End to end against K ({result['model']}, max_length {result['max_length']}, batch "
+               f"{result['batch_size']})", fontsize=9)
   ax.grid(True, alpha=0.3)
   ax.legend(fontsize=7)
   fig.tight_layout()
@@ -432,8 +554,9 @@ def main(argv=None) -> int:
   md = markdown(result, command.strip())
   common.write_results(f"collation{args.suffix}", result, md)
   plot(result, common.RESULTS / f"collation{args.suffix}.png")
+  plot_k(result, common.RESULTS / f"collation{args.suffix}_k.png")
   print(md)
-  print(f"total {result['seconds']:.0f} s; wrote {common.RESULTS}/collation{args.suffix}.{{json,md,png}}")
+  print(f"total {result['seconds']:.0f} s; wrote {common.RESULTS}/collation{args.suffix}.{{json,md,png}} and _k.png")
   return 0
 
 

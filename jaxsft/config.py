@@ -68,8 +68,11 @@ class DataConfig:
   """Number of generated examples when `path` is None."""
   max_length: int = 512
   batching: str = "bucketed"
-  """static (pad to max_length) | dynamic (batch max) | bucketed | packed."""
-  num_buckets: int = 4
+  """static (pad to max_length) | dynamic (batch max) | bucketed | packed | bucketed_packed (rows of a few
+  widths, each packed) | auto (the mode and its buckets or widths the cost model predicts fastest for this
+  run, from step and compile timings at warm-up)."""
+  num_buckets: int | str = 4
+  """Buckets (bucketed packing: widths, at most); auto: as many as pay for their compiles in this run."""
   bucket_lengths: tuple[int, ...] | None = None
   """Explicit bucket boundaries; None: chosen from the data to minimize padding."""
   batch_size: int = 8
@@ -179,7 +182,8 @@ CHOICES = {
     "mode": ("lora", "full"),
     "model.dtype": ("auto", "float32", "bfloat16"),
     "model.remat": ("dots_no_batch", "dots", "full", "none"),
-    "data.batching": BATCHING,
+    "data.batching": BATCHING + ("auto",),
+    "data.num_buckets": ("auto",),
     "data.train_on": TRAIN_ON,
     "data.on_error": ON_ERROR,
     "data.format": ("auto",) + FORMATS,
@@ -271,7 +275,12 @@ def coerce(key: str, tp, value):
       if type(None) in args:
         return None
     inner = [a for a in args if a is not type(None)]
-    return coerce(key, inner[0], value)
+    for option in inner[:-1]:  # e.g. int | str: a number, else one of the key's words
+      try:
+        return coerce(key, option, value)
+      except ConfigError:
+        pass
+    return coerce(key, inner[-1], value)
   try:
     if tp is bool:
       if isinstance(value, bool):

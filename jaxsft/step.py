@@ -22,10 +22,12 @@ This module is what the trainer, the benchmarks and the tests share.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -206,6 +208,10 @@ class CompiledSteps:
     self._compiled: dict[Any, Any] = {}
     self._lora, self._opt_state, self._frozen = lora, opt_state, frozen
     self.unexpected_shapes: list[tuple] = []
+    self.compile_seconds: dict[tuple[int, int], float] = {}  # per shape, train (and eval) compiles together
+    self._warm_keys: dict[tuple[int, int], tuple] = {}  # per shape, what warm_up compiled it for
+    self.step_seconds: dict[tuple[int, int], float] = {}  # per shape, `time_step`'s measurement (no label trained)
+    self.trained_step_seconds: dict[tuple[int, int], float] = {}  # the same with every label trained
     self.recompiles = 0
     self._counter = compile_counter()
 
@@ -214,8 +220,9 @@ class CompiledSteps:
 
   def warm_up(self, shapes: list[tuple[int, int]], keys: tuple[str, ...], with_eval: bool, *,
               fused: bool = False) -> None:
-    """Compiles, for every (B, T) in `shapes`, `train_step` (`fused`: one micro-batch per step)
-    or `accumulate` (then zeros and apply once), and `evaluate` when `with_eval`."""
+    """Compiles, for every (B, T) in `shapes` not compiled yet, `train_step` (`fused`: one
+    micro-batch per step) or `accumulate` (then zeros and apply once), and `evaluate` when
+    `with_eval`; each shape's seconds go to `compile_seconds`."""
     micro = jax.ShapeDtypeStruct((), jnp.int32)
     if not fused:
       acc = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
@@ -223,6 +230,9 @@ class CompiledSteps:
       self._compiled["zeros"] = self._jit["zeros"].lower(self._lora).compile()
       self._compiled["apply"] = self._jit["apply"].lower(self._lora, self._opt_state, acc).compile()
     for shape in shapes:
+      if self._warm_keys.get(tuple(shape)) == (tuple(keys), fused, with_eval):
+        continue  # compiled by an earlier call (a probe of the step's cost)
+      t0 = time.perf_counter()
       spec = self._spec(shape, keys)
       if fused:
         self._compiled[("train_step", shape)] = self._jit["train_step"].lower(
@@ -232,6 +242,41 @@ class CompiledSteps:
             acc, self._lora, self._frozen, spec, micro).compile()
       if with_eval:
         self._compiled[("evaluate", shape)] = self._jit["evaluate"].lower(self._lora, self._frozen, spec).compile()
+      self.compile_seconds[tuple(shape)] = time.perf_counter() - t0
+      self._warm_keys[tuple(shape)] = (tuple(keys), fused, with_eval)
+
+  def time_step(self, shape: tuple[int, int], keys: tuple[str, ...], *, fused: bool, trained: bool = False,
+                calls: int = 2) -> float:
+    """Seconds of a compiled training call on a (B, T) batch (`train_step`, or `accumulate` when
+    not `fused`): the least of `calls` calls (the first call of an executable pays one-off costs),
+    on copies of the state, so the run's params and optimizer state are untouched (call it before
+    training: it copies the state `CompiledSteps` was built with). The token values do not matter
+    to the time, the trained labels do (the LM head runs only where a label is trained): none, or
+    with `trained` every one. Kept in `step_seconds` (none trained) or `trained_step_seconds`."""
+    b, t = shape
+    rows = (b // jax.process_count(), t)  # this process's rows of the global batch
+    values = {"input_ids": np.zeros(rows, np.int32), "attention_mask": np.ones(rows, np.int32),
+              "labels": np.full(rows, 1 if trained else -100, np.int32), "segment_ids": np.ones(rows, np.int32),
+              "positions": np.broadcast_to(np.arange(t, dtype=np.int32), rows).copy()}
+    batch = self.mesh.put_batch({k: values[k] for k in keys})
+    copy = lambda x: jax.device_put(x, may_alias=False)  # noqa: E731  a copy, no compile
+    times = []
+    for _ in range(calls):
+      lora = jax.tree.map(copy, self._lora)
+      if fused:
+        opt_state = jax.tree.map(copy, self._opt_state)
+        jax.block_until_ready((lora, opt_state, batch))
+        t0 = time.perf_counter()
+        jax.block_until_ready(self._compiled[("train_step", tuple(shape))](lora, opt_state, self._frozen, batch,
+                                                                           np.int32(0)))
+      else:
+        acc = self._compiled["zeros"](lora)
+        jax.block_until_ready((acc, batch))
+        t0 = time.perf_counter()
+        jax.block_until_ready(self._compiled[("accumulate", tuple(shape))](acc, lora, self._frozen, batch, np.int32(0)))
+      times.append(time.perf_counter() - t0)
+    (self.trained_step_seconds if trained else self.step_seconds)[tuple(shape)] = min(times)
+    return min(times)
 
   def compiled(self, name: str, shape: tuple[int, int] | None = None):
     """The AOT-compiled executable (`.as_text()`, `.cost_analysis()`), after `warm_up`."""

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxsft import collation as collation_lib
 from jaxsft import config as config_lib
 from jaxsft import data as data_lib
 from jaxsft import errors
@@ -117,6 +118,7 @@ class DataPlan:
   batches_per_epoch: int
   stats: data_lib.PipelineStats
   shard_by_process: bool
+  collation: collation_lib.Choice | None = None
 
   def train_batches(self, tokenizer, *, seed: int, num_epochs: int | None, worker_count: int):
     return data_lib.make_batches(self.train_records, tokenizer, seed=seed, shuffle=True, num_epochs=num_epochs,
@@ -129,7 +131,10 @@ class DataPlan:
 
 
 def plan_data(cfg: config_lib.TrainConfig, train_records: list[dict], val_records: list[dict], tokenizer,
-              batch_multiple_of: int) -> DataPlan:
+              batch_multiple_of: int, cost_for=None) -> DataPlan:
+  """Both splits tokenized once, the batching resolved (buckets, widths, `auto`'s choice under
+  `cost_for(longest example rounded up)`, a `StepCost` or None for the default) and every batch
+  shape listed."""
   d = cfg.data
   tokens = dict(max_length=d.max_length, train_on=d.train_on)
   train_tokens = data_lib.store.stored_tokens(train_records, tokenizer, **tokens)
@@ -141,13 +146,16 @@ def plan_data(cfg: config_lib.TrainConfig, train_records: list[dict], val_record
   batching = dict(max_length=d.max_length, batching=d.batching, bucket_lengths=list(d.bucket_lengths) if d.bucket_lengths else None,
                   num_buckets=d.num_buckets, batch_size=d.batch_size, tokens_per_batch=d.tokens_per_batch,
                   pad_to_multiple_of=d.pad_to_multiple_of, batch_multiple_of=batch_multiple_of, train_on=d.train_on)
-  if d.batching == "bucketed" and not d.bucket_lengths:
+  choice = None
+  if d.batching in collation_lib.CHOOSES_FROM_LENGTHS and not d.bucket_lengths:
     # One set of boundaries for train and validation (the eval step reuses the train shapes); the
     # largest is the longest example, so no bucket is compiled that no batch would use.
     lengths = np.concatenate([train_tokens.lengths, val_tokens.lengths])
     batching["max_length"] = min(d.max_length, data_lib.round_up(int(lengths.max()), d.pad_to_multiple_of))
-    batching["bucket_lengths"] = data_lib.choose_buckets(lengths, d.num_buckets, multiple_of=d.pad_to_multiple_of,
-                                                         max_length=batching["max_length"])
+    choice = collation_lib.choose(cfg, lengths, num_train=len(train_tokens.lengths), max_length=batching["max_length"],
+                                  batch_size_for=collation_lib.batch_size_rule(d, batch_multiple_of),
+                                  cost=cost_for(batching["max_length"]) if cost_for else None)
+    batching.update(choice.batching)
     train_tokens = train_tokens.with_max_length(batching["max_length"])
     val_tokens = val_tokens.with_max_length(batching["max_length"])
   shard = jax.process_count() > 1
@@ -156,7 +164,7 @@ def plan_data(cfg: config_lib.TrainConfig, train_records: list[dict], val_record
     shapes |= set(data_lib.batch_shapes(val_records, tokenizer, tokenized=val_tokens, shard_by_process=shard, **batching))
   batches_per_epoch = data_lib.count_batches(train_tokens, seed=d.seed, shuffle=True, **batching)
   return DataPlan(train_records, val_records, train_tokens, val_tokens, batching, sorted(shapes), batches_per_epoch,
-                  data_lib.PipelineStats(), shard)
+                  data_lib.PipelineStats(), shard, choice)
 
 
 class DevicePrefetch:
@@ -397,6 +405,10 @@ class Run:
   compiles_warmup: int = 0
   config_line: dict = dataclasses.field(default_factory=dict)  # metrics.jsonl's first line
   last_saved_step: int | None = None  # the newest checkpoint this process saved (not one it resumed from)
+  probe_seconds: float = 0.0  # auto's probe compiles and timings, before the plan was chosen
+  warmup_seconds: float = 0.0
+  step_seconds: float = 0.0  # Σ of the steps' `seconds` this process ran
+  collation: dict = dataclasses.field(default_factory=dict)  # summary.json's "collation"
 
 
 def param_paths(model) -> list[str]:
@@ -451,7 +463,6 @@ def _setup(cfg: config_lib.TrainConfig, files: RunFiles, t_start: float) -> tupl
   train_records, val_records = load_data(cfg)
   log.info("loading model %s (%s)", cfg.model.name, cfg.model.dtype)
   model, tokenizer = models.load_model(cfg.model.name, dtype=cfg.model.dtype, remat=cfg.model.remat)
-  data = plan_data(cfg, train_records, val_records, tokenizer, mesh.batch_multiple_of)
   if cfg.mode == "lora":
     lora_lib.apply_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                         target_modules=cfg.lora.target_modules, rslora=cfg.lora.rslora, seed=cfg.seed)
@@ -464,36 +475,105 @@ def _setup(cfg: config_lib.TrainConfig, files: RunFiles, t_start: float) -> tupl
                                  f"{sorted(param_paths(model))[:6]}")
   log.info("trainable %s params: %d of %d (%.3f%%)", "LoRA" if cfg.mode == "lora" else "model", n_lora, n_all,
            100 * n_lora / max(n_all, 1))
+  lora, frozen = mesh.replicate(lora), mesh.shard_frozen(frozen)
 
+  probes = []  # (steps, opt_state, cost, schedule length, seconds) when auto probed the step's cost
+  data = plan_data(cfg, train_records, val_records, tokenizer, mesh.batch_multiple_of,
+                   cost_for=lambda longest: probe_step_cost(cfg, graphdef, lora, frozen, mesh, bool(val_records),
+                                                            len(train_records), longest, probes))
   steps_per_epoch = max(data.batches_per_epoch // cfg.optim.grad_accum, 1)
   # max_steps (like Hugging Face's) overrides epochs: the data repeats for as long as it takes.
   total_steps = cfg.max_steps if cfg.max_steps else steps_per_epoch * cfg.epochs
   log.info("batch shapes %s; %d batches per epoch, %d optimizer steps", data.shapes, data.batches_per_epoch, total_steps)
 
   files.dir.mkdir(parents=True, exist_ok=True)  # only now: bad config, data or model wrote nothing
-  schedule = step_lib.make_schedule(cfg.optim, total_steps)
-  tx = step_lib.make_optimizer(cfg.optim, schedule)
-  lora, frozen = mesh.replicate(lora), mesh.shard_frozen(frozen)
-  opt_state = jax.jit(tx.init, out_shardings=mesh.replicated)(lora)  # follows the replicated LoRA params
-  steps = step_lib.CompiledSteps(step_lib.make_step_functions(graphdef, cfg, tx, schedule), lora, opt_state, frozen, mesh)
+  if probes and probes[0][3] == total_steps:  # the probes' executables serve the run: same schedule
+    steps, opt_state = probes[0][0], probes[0][1]
+  else:
+    steps, opt_state = build_steps(cfg, graphdef, lora, frozen, mesh, total_steps)
   run = Run(cfg, files, mesh, tokenizer, data, graphdef, frozen, steps, total_steps, steps_per_epoch,
-            Checkpoints(files, cfg.keep_checkpoints), t_start)
+            Checkpoints(files, cfg.keep_checkpoints), t_start, probe_seconds=probes[0][4] if probes else 0.0)
   warm_up(run, n_lora)
   return run, RunState(lora=lora, opt_state=opt_state)
+
+
+def build_steps(cfg: config_lib.TrainConfig, graphdef, lora, frozen, mesh, total_steps: int):
+  """(CompiledSteps, initial optimizer state) for a run of `total_steps` (the schedule's length)."""
+  schedule = step_lib.make_schedule(cfg.optim, total_steps)
+  tx = step_lib.make_optimizer(cfg.optim, schedule)
+  opt_state = jax.jit(tx.init, out_shardings=mesh.replicated)(lora)  # follows the replicated LoRA params
+  return step_lib.CompiledSteps(step_lib.make_step_functions(graphdef, cfg, tx, schedule), lora, opt_state, frozen,
+                                mesh), opt_state
+
+
+def probe_step_cost(cfg: config_lib.TrainConfig, graphdef, lora, frozen, mesh, with_eval: bool, num_train: int,
+                    longest: int, out: list):
+  """With `batching: auto` or `num_buckets: auto`: compiles and times three probe shapes (a quarter,
+  half and all of `longest`) and fits the step's cost, before the plan is chosen. Appends (steps,
+  opt_state, cost, the schedule length the probes were compiled for, seconds) to `out` and returns
+  the cost; None (nothing probed) when no choice needs seconds.
+
+  The probes' executables serve the run when its schedule has that length (`max_steps`, or the
+  estimated steps per epoch turned out right); otherwise the run compiles its own.
+  """
+  d = cfg.data
+  if not (d.batching == "auto" or d.num_buckets == "auto"):
+    return None
+  t0 = time.time()
+  size_for = collation_lib.batch_size_rule(d, mesh.batch_multiple_of)
+  length = cfg.max_steps or max(-(-num_train // size_for(longest)) // cfg.optim.grad_accum, 1) * cfg.epochs
+  steps, opt_state = build_steps(cfg, graphdef, lora, frozen, mesh, length)
+  shapes = [(size_for(t), t) for t in collation_lib.probe_widths(longest, d.pad_to_multiple_of)]
+  # Compiled for the inputs the run will feed them when it can tell (auto may still pick packing:
+  # then its one width compiles again, with segment ids).
+  keys = step_lib.BATCH_KEYS if d.batching == "bucketed_packed" else ("input_ids", "attention_mask", "labels")
+  steps.warm_up(shapes, keys, with_eval=with_eval, fused=cfg.optim.grad_accum == 1)
+  cost = collation_lib.fit_from_steps(steps, shapes, keys, fused=cfg.optim.grad_accum == 1)
+  log.info("collation probes %s: step %.3g + %.3g·B·T + %.3g·B·T² s, compile %.3g + %.3g·T s (%.1fs)", shapes,
+           cost.a, cost.b, cost.c, cost.compile_base, cost.compile_per_width, time.time() - t0)
+  out.append((steps, opt_state, cost, length, time.time() - t0))
+  return cost
 
 
 def warm_up(run: Run, n_lora: int) -> None:
   """Compiles every shape the pipeline can emit, before step 1, and logs the config line."""
   counter = step_lib.compile_counter()
-  keys = step_lib.BATCH_KEYS if run.cfg.data.batching == "packed" else ("input_ids", "attention_mask", "labels")
+  packed = run.data.batching["batching"] in ("packed", "bucketed_packed")
+  keys = step_lib.BATCH_KEYS if packed else ("input_ids", "attention_mask", "labels")
   compiles0, seconds0, t0 = counter.count, counter.seconds, time.time()
   run.steps.warm_up(run.data.shapes, keys, with_eval=bool(run.data.val_records), fused=run.cfg.optim.grad_accum == 1)
   run.compiles_warmup, seconds = counter.count - compiles0, time.time() - t0
+  run.warmup_seconds = seconds
+  account_collation(run, keys)
   log.info("warm-up: %d compiles in %.1fs (XLA %.1fs) for %d shapes", run.compiles_warmup, seconds,
            counter.seconds - seconds0, len(run.data.shapes))
   run.config_line = {"event": "config", "steps_per_epoch": run.steps_per_epoch, "total_steps": run.total_steps,
                      "batch_shapes": run.data.shapes, "bucket_lengths": run.data.batching["bucket_lengths"],
                      "warmup_compiles": run.compiles_warmup, "warmup_seconds": round(seconds, 2), "lora_params": n_lora}
+
+
+def account_collation(run: Run, keys: tuple[str, ...]) -> None:
+  """Times one call of the compiled shapes, fits the cost, and keeps the plan's predicted seconds
+  (over the planned steps) for summary.json; logs the choice (auto: with its runners-up)."""
+  cfg, data = run.cfg, run.data
+  size_for = collation_lib.batch_size_rule(cfg.data, run.mesh.batch_multiple_of)
+  cost = collation_lib.fit_from_steps(run.steps, data.shapes, keys, fused=cfg.optim.grad_accum == 1)
+  epochs = data_lib.cost.epochs_planned(data.batches_per_epoch, epochs=cfg.epochs, max_steps=cfg.max_steps,
+                                        grad_accum=cfg.optim.grad_accum)
+  lengths = data.train_tokens.lengths
+  predicted = collation_lib.predicted(cost, data.batching, lengths, data.shapes, batch_size_for=size_for, epochs=epochs,
+                                      trained=collation_lib.trained_tokens(data.train_tokens))
+  choice = data.collation
+  run.collation = {"choice": choice.name if choice else data.batching["batching"],
+                   "batching": {k: data.batching[k] for k in ("batching", "bucket_lengths", "max_length")},
+                   "predicted_seconds": predicted.to_dict(), "cost": cost.to_dict(), "epochs": round(epochs, 4)}
+  if choice is not None:
+    collation_lib.log_choice(choice)
+    if choice.candidates:
+      run.collation["chosen_with"] = choice.cost.to_dict()
+      run.collation["candidates"] = [c.summary() for c in choice.candidates]
+  log.info("collation %s: predicted %.1fs of steps, %.1fs of compiles (cost fitted to %s)", run.collation["choice"],
+           predicted.steps, predicted.compiles, cost.source)
 
 
 def start_or_resume(run: Run, fresh: RunState):
@@ -615,6 +695,7 @@ def finish_record(run: Run, record: dict, since: float) -> float:
     tokens, real = (int(x) for x in sharding_lib.sum_over_processes([tokens, real]))
   valid = int(out["n_valid"])  # the loss's own (shifted) count
   seconds = max(done - max(since, dispatched_at), 1e-9)
+  run.step_seconds += seconds
   record.update({
       "loss": float(out["loss"]), "lr": float(out["lr"]), "grad_norm": float(out["grad_norm"]),
       "tokens": tokens, "real_tokens": real, "valid_tokens": valid,
@@ -875,6 +956,8 @@ def finish(run: Run, result: RunResult, model) -> None:
       "val_loss": result.val_loss, "warmup_compiles": result.compiles_warmup, "recompiles": result.recompiles,
       "stopped_early": result.stopped_early, "diagnosis": result.diagnosis.pattern,
       "data": run.data.stats.summary(), "seconds": round(time.time() - run.t_start, 1),
+      "collation": {**run.collation, "measured_seconds": {"steps": round(run.step_seconds, 3), "compiles": round(
+          run.probe_seconds + run.warmup_seconds, 3)}},
   }
   if result.evaluation:
     for name in ("base", "tuned"):

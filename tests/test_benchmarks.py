@@ -18,7 +18,7 @@ from benchmarks import collation, common  # noqa: E402
 def test_collation_study_counts_composes_and_validates(tmp_path, no_compile_cache):
   name = "oasst_top_paths.jsonl"
   result = collation.run_study(datasets=[name, common.BUILTIN], model_name="tiny", examples=16, max_length=128, batch_size=4,
-                               grid=[128], reps=1, validate=[f"{name}:static"], log=lambda s: None)
+                               grid=[64, 128], reps=1, validate=[f"{name}:static"], log=lambda s: None)
   modes = result["datasets"][name]["modes"]
   assert list(modes) == list(collation.MODES)
   real = {m["real"] for m in modes.values()}
@@ -42,10 +42,20 @@ def test_collation_study_counts_composes_and_validates(tmp_path, no_compile_cach
   assert measured["batches"] == modes["static"]["batches"] and measured["recompiles"] == 0
   assert np.isfinite(measured["first_loss"]) and measured["first_loss"] > 0
   assert measured["compiles"] >= 1
+  # auto: the cost model's choice, counted and composed like every mode; no worse than the grid in
+  # the model's own prediction; every mode predicted beside its composed time.
+  auto = result["datasets"][name]["auto"]
+  assert modes["auto"]["batching"] == auto["batching"]["batching"] and auto["name"] == auto["candidates"][0]["name"]
+  assert all(s["predicted"]["end_to_end_s"] > 0 for s in modes.values())
+  assert modes["bucketed_packed"]["distinct_shapes"] and all(t <= 128 for _, t in modes["bucketed_packed"]["distinct_shapes"])
+  assert validation["predicted_end_to_end_s"] > 0
   text = collation.markdown(result, "test")
   assert "| bucketed K=2 |" in text and "| oasst_top_paths.jsonl | static |" in text and "Composed against measured" in text
+  assert "| auto |" in text and "auto against the grid" in text and "predicted / measured" in text
   collation.plot(result, tmp_path / "pareto.png")
   assert (tmp_path / "pareto.png").stat().st_size > 1000
+  collation.plot_k(result, tmp_path / "k.png")
+  assert (tmp_path / "k.png").stat().st_size > 1000
 
 
 def test_interpolation_is_linear_between_and_beyond_points():

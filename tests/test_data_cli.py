@@ -16,9 +16,15 @@ def test_stats_prints_histogram_and_modes(shared_data, capsys, tmp_path):
                "--buckets", "4", "--batch-size", "4", "--cache-dir", str(tmp_path)]) == 0
   out = capsys.readouterr().out
   assert "100 records" in out and "tokens per example" in out and "#" in out
-  rows = {m.group(1): m.groups()[1:] for m in re.finditer(r"^(static|dynamic|bucketed|packed)\s+([\d,]+)\s+([\d,]+)\s+"
-                                                             r"([\d.]+)\s+(\d+)\s+(\d+)$", out, re.M)}
-  assert set(rows) == {"static", "dynamic", "bucketed", "packed"}
+  rows = {m.group(1): m.groups()[1:] for m in re.finditer(
+      r"^(static|dynamic|bucketed|packed|bucketed_packed)\s+([\d,]+)\s+([\d,]+)\s+([\d.]+)\s+(\d+)\s+(\d+)"
+      r"\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", out, re.M)}
+  assert set(rows) == {"static", "dynamic", "bucketed", "packed", "bucketed_packed"}
+  for r in rows.values():  # predicted seconds: steps + compiles = total
+    assert float(r[5]) > 0 and float(r[6]) > 0 and abs(float(r[5]) + float(r[6]) - float(r[7])) < 0.15
+  assert "cost default: " in out and "batching: auto would choose" in out
+  predicted = {mode: float(r[7]) for mode, r in rows.items()}
+  assert predicted["dynamic"] > predicted["bucketed"]  # dynamic compiles every width its lengths round to
   padded = {mode: int(r[0].replace(",", "")) for mode, r in rows.items()}
   real = {int(r[1].replace(",", "")) for r in rows.values()}
   assert len(real) == 1  # every mode batches the same tokens

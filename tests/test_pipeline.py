@@ -124,6 +124,45 @@ def test_packed(records, tokenizer, examples):
   assert stats.padded_tokens == len(batches) * 4 * MAX_LENGTH
 
 
+@pytest.mark.parametrize("extra", [{}, {"bucket_lengths": [64, 128, 256]}])
+def test_bucketed_packing(records, tokenizer, examples, extra):
+  """Rows of a few widths, each packed first-fit: every example once per epoch, in the narrowest
+  width that holds it, as whole segments with restarted positions; only its first label masked."""
+  stats = PipelineStats()
+  config = dict(max_length=MAX_LENGTH, batching="bucketed_packed", batch_size=4, num_buckets=3, **extra)
+  batches = list(make_batches(records, tokenizer, stats=stats, num_epochs=2, **config))
+  shapes = batch_shapes(records, tokenizer, **config)
+  widths = [t for _, t in shapes]
+  assert len(shapes) <= 3 and widths[-1] == MAX_LENGTH and all(b == 4 for b, _ in shapes)
+  if extra:
+    assert widths == extra["bucket_lengths"]
+  expected = sorted((k[0], k[1][1:]) for k in map(as_key, (e for e in examples if e is not None)))
+  for epoch in (0, 1):
+    segments = []
+    for b in (b for b in batches if b["epoch"] == epoch):
+      assert b["input_ids"].shape in shapes and set(b) == {"input_ids", "attention_mask", "labels", "segment_ids",
+                                                           "positions", "epoch"}
+      seg, pos, width = b["segment_ids"], b["positions"], b["input_ids"].shape[1]
+      np.testing.assert_array_equal(b["attention_mask"], (seg > 0).astype(np.int32))
+      assert (b["input_ids"][seg == 0] == tokenizer.pad_token_id).all() and (b["labels"][seg == 0] == IGNORE_INDEX).all()
+      assert (b["labels"][pos == 0] == IGNORE_INDEX).all()
+      for row in range(b["input_ids"].shape[0]):
+        for s in range(1, seg[row].max() + 1):
+          at = np.flatnonzero(seg[row] == s)
+          assert (np.diff(at) == 1).all() and pos[row, at].tolist() == list(range(len(at)))
+          assert widths.index(width) == int(np.searchsorted(widths, len(at)))  # the narrowest width that holds it
+          segments.append((tuple(b["input_ids"][row, at].tolist()), tuple(b["labels"][row, at[1:]].tolist())))
+    assert sorted(segments) == expected  # nothing lost or repeated, no batch mixes epochs
+  assert stats.padded_tokens == sum(b["input_ids"].size for b in batches)
+  assert stats.fill_rows == sum(int((b["attention_mask"].sum(1) == 0).sum()) for b in batches)
+  if extra:
+    return
+  packed = PipelineStats()  # widths chosen by the cost model: within 2 points of packing into one width
+  list(make_batches(records, tokenizer, stats=packed, max_length=MAX_LENGTH, batching="packed", batch_size=4,
+                    num_epochs=2))
+  assert stats.waste_frac <= packed.waste_frac + 0.02
+
+
 def resume_matches(dataset, stop_after):
   uninterrupted = list(dataset)
   it = iter(dataset)
@@ -144,7 +183,7 @@ def resume_matches(dataset, stop_after):
 
 
 @pytest.mark.parametrize("batching,stop_after", [("bucketed", 7), ("bucketed", 31), ("dynamic", 19),
-                                                 ("static", 26), ("packed", 9)])
+                                                 ("static", 26), ("packed", 9), ("bucketed_packed", 5)])
 def test_resume_mid_epoch_gives_identical_batches(records, tokenizer, batching, stop_after):
   ds = make_batches(records, tokenizer, max_length=MAX_LENGTH, batching=batching, batch_size=8, num_epochs=2)
   assert len(list(ds)) > stop_after
@@ -178,7 +217,8 @@ def test_bad_configs(records, tokenizer):
 COUNT_CASES = [("bucketed", {}), ("bucketed", {"bucket_lengths": [64, 128, 192, 256]}), ("dynamic", {}),
                ("static", {}), ("packed", {}),
                ("bucketed", {"tokens_per_batch": 2048, "batch_multiple_of": 2}), ("static", {"tokens_per_batch": 2048}),
-               ("packed", {"tokens_per_batch": 2048})]
+               ("packed", {"tokens_per_batch": 2048}), ("bucketed_packed", {}),
+               ("bucketed_packed", {"bucket_lengths": [64, 256], "tokens_per_batch": 2048})]
 
 
 @pytest.mark.parametrize("batching,extra", COUNT_CASES, ids=[f"{b}-{'-'.join(e) or 'batch_size'}" for b, e in COUNT_CASES])
@@ -222,7 +262,7 @@ def test_one_tokenization_serves_every_call(records, tokenizer, tokens):
   counter = EncodeCounter(tokenizer)
   mine = tokenize_records(counter, records, max_length=MAX_LENGTH)
   assert counter.encoded == len(records)
-  for batching in ("bucketed", "dynamic", "static", "packed"):
+  for batching in ("bucketed", "dynamic", "static", "packed", "bucketed_packed"):
     config = dict(max_length=MAX_LENGTH, batching=batching, batch_size=8, num_epochs=2)
     batches = list(make_batches(records, counter, tokenized=mine, **config))
     assert batch_shapes(records, counter, tokenized=mine, **config)

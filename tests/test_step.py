@@ -145,3 +145,41 @@ def test_fused_train_step_is_one_executable_equal_to_accumulate_then_apply(no_co
   for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
   assert fused.recompiles == 0 and split.recompiles == 0 and not fused.unexpected_shapes
+
+
+def test_bucketed_packing_keeps_the_unpacked_unpadded_loss_and_gradients(tokenizer):
+  """Every batch bucketed packing emits, accumulated: the Σ nll, Σ valid and LoRA gradients of
+  the examples unpacked (one per row; padding changes nothing: see test_train's accumulation
+  test); more fill rows and wider rows change nothing either."""
+  from jaxsft import data
+  from jaxsft.data import synthetic
+  from jaxsft.data.packing import pack_rows
+
+  with jax.default_matmul_precision("highest"):
+    model = models.init_random(TINY, seed=0)
+    model.embed_tokens[...] = model.embed_tokens[...] * 30.0  # a sharper output: per-example losses differ
+    cfg, graphdef, params, frozen, tx, fns, _ = _setup(model)
+    params = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(2), x.shape), params)
+    records = synthetic.make_dataset(16, seed=3)
+    batches = list(data.make_batches(records, tokenizer, max_length=256, batching="bucketed_packed",
+                                     bucket_lengths=[128, 256], batch_size=2, seed=1))
+    assert {b["input_ids"].shape[1] for b in batches} == {128, 256} and any(b["segment_ids"].max() > 1 for b in batches)
+    accumulate = jax.jit(fns.accumulate)
+    keys = step_lib.BATCH_KEYS
+    packed = fns.zeros(params)
+    for i, b in enumerate(batches):
+      packed = accumulate(packed, params, frozen, {k: b[k] for k in keys}, np.int32(i))
+    examples = [e for e in data.tokenize_records(tokenizer, records, max_length=256).examples if e is not None]
+    alone = accumulate(fns.zeros(params), params, frozen, data.collate(examples, pad_token_id=2, bucket_lengths=[256]),
+                       np.int32(0))
+    assert int(packed["n_valid"]) == int(alone["n_valid"]) == sum(int((e["labels"][1:] != -100).sum()) for e in examples)
+    np.testing.assert_allclose(float(packed["nll"]), float(alone["nll"]), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(alone["grads"]), jax.tree.leaves(packed["grads"])):
+      np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-4 * float(jnp.abs(a).max()))
+    # Padding invariance: the first batch's examples in twice the rows, twice as wide, another pad id.
+    first = [e for e in examples if len(e["input_ids"]) <= 64][:4]
+    tight = pack_rows(first, rows=2, width=128, pad_token_id=2)
+    loose = pack_rows(first, rows=4, width=256, pad_token_id=0)
+    got = [accumulate(fns.zeros(params), params, frozen, batch, np.int32(0)) for batch in (tight, loose)]
+    assert int(got[0]["n_valid"]) == int(got[1]["n_valid"]) > 0
+    np.testing.assert_allclose(float(got[0]["nll"]), float(got[1]["nll"]), rtol=1e-6)

@@ -73,6 +73,9 @@ def test_cli_end_to_end_on_a_tiny_model(tiny_dir, small_data, tmp_path):
     assert (out / name).is_file(), name
   summary = json.loads((out / "summary.json").read_text())
   assert summary["steps"] == 8 and summary["recompiles"] == 0
+  collation = summary["collation"]  # every mode records its predicted and measured seconds
+  assert collation["choice"] == "bucketed K=2" and collation["batching"]["bucket_lengths"] == config["bucket_lengths"]
+  assert all(collation[k]["steps"] > 0 and collation[k]["compiles"] > 0 for k in ("predicted_seconds", "measured_seconds"))
   assert "task_score_base" in summary and "task_score_tuned" in summary
   adapter_config = json.loads((out / "adapter/adapter_config.json").read_text())
   assert adapter_config["peft_type"] == "LORA" and adapter_config["r"] == 16  # the embedded default (configs/default.yaml)

@@ -1,9 +1,10 @@
 """Instruction data: loading, chat-template masking, collation, bucket choice, Grain batches.
 
 records.py (files -> chat records), tokenize.py (records -> token ids and labels; `TokenizedRecords`),
-collate.py (padding, bucket choice), bucketing.py (length-grouped batching), packing.py (packed
-mode), pipeline.py (the Grain chain and its entry points), store.py (a file tokenized once into a
-memory-mapped token store), stats.py (`python -m jaxsft.data stats`).
+collate.py (padding, bucket choice), bucketing.py (length-grouped batching, bucketed packing),
+packing.py (packed modes), pipeline.py (the Grain chain and its entry points), cost.py (the
+collation cost model), choose.py (plans priced by it: packing widths, `batching: auto`), store.py
+(a file tokenized once into a memory-mapped token store), stats.py (`python -m jaxsft.data stats`).
 """
 
 from jaxsft.data.bucketing import BatchPlan, BucketBatchIterDataset

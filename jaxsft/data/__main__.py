@@ -1,8 +1,9 @@
 """`python -m jaxsft.data build|stats --data FILE [--model M] [--max-length N] [--train-on W] ...`
 
 build: tokenizes the data into its token store (or finds it) and says where it is, what it holds
-and how long that took. stats: token length distribution and the padding of
-static/dynamic/bucketed/packed batching, read from the same store."""
+and how long that took. stats: token length distribution, and the padding and predicted
+end-to-end seconds (steps + compiles, under the collation cost model) of every batching mode and
+of what `batching: auto` would choose, read from the same store."""
 
 from __future__ import annotations
 
@@ -42,6 +43,10 @@ def main(argv=None) -> int:
   stats.add_argument("--buckets", type=int, default=8, help="number of buckets to choose (default: %(default)s)")
   stats.add_argument("--batch-size", type=int, default=8, help="rows per batch (default: %(default)s)")
   stats.add_argument("--pad-to-multiple-of", type=int, default=8, help="(default: %(default)s)")
+  stats.add_argument("--epochs", type=float, default=1.0, help="epochs the predicted seconds cover (default: %(default)s)")
+  stats.add_argument("--cost-from", default=None, metavar="RUN_DIR",
+                     help="price steps and compiles with the cost a jaxsft run measured (its summary.json); "
+                          "default: the built-in default cost")
   args = parser.parse_args(argv)
   logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
   if args.command == "build" and args.no_cache:
@@ -58,6 +63,8 @@ def _main(args) -> int:
 
   tokenizer = load_tokenizer(args.model)
   try:
+    if args.command == "stats":
+      args.cost = _cost(args.cost_from)
     records, tokenized, result, skipped = _tokenized(args, tokenizer)
   except DataError:
     raise
@@ -91,8 +98,24 @@ def _tokenized(args, tokenizer):
   return result.store.records(), result.store.tokenized(), result, result.store.manifest["skipped"]
 
 
+def _cost(run_dir: str | None):
+  """The cost a run measured (summary.json's collation.cost), else the default."""
+  from jaxsft.data.cost import DEFAULT_COST, StepCost
+
+  if run_dir is None:
+    return DEFAULT_COST
+  import pathlib
+
+  path = pathlib.Path(run_dir) / "summary.json"
+  try:
+    fields = json.loads(path.read_text())["collation"]["cost"]
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise ValueError(f"--cost-from: {path} holds no collation cost ({type(e).__name__}: {e})") from None
+  return StepCost(**{**fields, "source": f"{fields.get('source', 'measured')} in {run_dir}"})
+
+
 def _stats(args, tokenizer, records, tokenized, skipped: int) -> int:
-  from jaxsft.data.stats import compare_batching, format_comparison, length_summary, text_histogram
+  from jaxsft.data.stats import compare_batching, format_comparison, length_summary, predict_seconds, text_histogram
 
   summary = length_summary(tokenized)
   print(f"{args.data}: {len(records)} records ({skipped} skipped), tokenizer {args.model}")
@@ -101,10 +124,23 @@ def _stats(args, tokenizer, records, tokenized, skipped: int) -> int:
   print(f"max_length {args.max_length}: {summary['truncated']} truncated, {summary['dropped']} dropped "
         "(no trained token left)\n")
   print(text_histogram(summary["lengths"], max_length=args.max_length))
-  print(f"\nbatch size {args.batch_size}, one epoch, pad to a multiple of {args.pad_to_multiple_of}:")
-  print(format_comparison(compare_batching(records, tokenizer, max_length=args.max_length, num_buckets=args.buckets,
-                                           batch_size=args.batch_size, pad_to_multiple_of=args.pad_to_multiple_of,
-                                           train_on=args.train_on, tokenized=tokenized)))
+  print(f"\nbatch size {args.batch_size}, one epoch, pad to a multiple of {args.pad_to_multiple_of}; "
+        f"predicted seconds for {args.epochs:g} epoch(s), cost {args.cost.source}:")
+  result = compare_batching(records, tokenizer, max_length=args.max_length, num_buckets=args.buckets,
+                            batch_size=args.batch_size, pad_to_multiple_of=args.pad_to_multiple_of,
+                            train_on=args.train_on, tokenized=tokenized)
+  print(format_comparison(result, predict_seconds(result, args.cost, epochs=args.epochs)))
+  from jaxsft.data.choose import choose_collation
+  from jaxsft.data.collate import round_up
+
+  longest = min(args.max_length, round_up(int(tokenized.lengths.max()), args.pad_to_multiple_of))  # as the trainer
+  candidates = choose_collation(tokenized.lengths, cost=args.cost, max_length=longest,
+                                batch_size_for=lambda width: args.batch_size, pad_to_multiple_of=args.pad_to_multiple_of,
+                                epochs=args.epochs, trained_tokens=result["static"]["trained"])
+  best = candidates[0]
+  print(f"batching: auto would choose {best.name} {best.batching.get('bucket_lengths') or ''}: predicted "
+        f"{best.predicted.total:.1f}s ({best.predicted.steps:.1f}s steps + {best.predicted.compiles:.1f}s compiles); "
+        f"next: " + ", ".join(f"{c.name} {c.predicted.total:.1f}s" for c in candidates[1:4]))
   return 0
 
 

@@ -1,5 +1,8 @@
 """Length-grouped batching as a Grain transformation: fixed-shape padded batches per bucket.
 
+With `BatchPlan.packed`, each bucket is a width whose batches are B rows packed first-fit
+(`packing.pack_rows`): a queue's batch is complete when the next example fits in none of its rows.
+
 `BucketBatchIterDataset` reads the tokenized stream (`pipeline.make_batches`), puts each example
 in the queue of its (epoch, bucket) and emits a batch when a queue reaches its bucket's batch
 size. Dynamic batching is the same with one queue per epoch and T = the batch maximum; static
@@ -29,6 +32,7 @@ import grain
 import numpy as np
 
 from jaxsft.data.collate import bucket_index, collate, round_up
+from jaxsft.data.packing import FirstFitRows, pack_rows
 
 if TYPE_CHECKING:  # pipeline imports this module; the stats are only passed through
   from jaxsft.data.pipeline import PipelineStats
@@ -47,11 +51,15 @@ class BatchPlan:
   epoch_size: int = 0  # records per epoch: an epoch is complete once this many elements arrived
   shard_index: int = 0
   shard_count: int = 1
+  packed: bool = False  # bucketed packing: each bucket's batch is B rows packed first-fit
 
   def queue_of(self, length: int) -> int:
     return 0 if self.bucket_lengths is None else bucket_index(length, self.bucket_lengths)
 
   def collate(self, queue: int, examples: list[dict]) -> dict:
+    if self.packed:
+      return pack_rows(examples, rows=self.batch_sizes[queue], width=self.bucket_lengths[queue],
+                       pad_token_id=self.pad_token_id)
     if self.bucket_lengths is None:
       longest = max(len(e["input_ids"]) for e in examples)
       width = min(round_up(longest, self.pad_to_multiple_of), self.max_length)
@@ -75,17 +83,32 @@ class _EpochBucketQueues:
   def __init__(self, plan: BatchPlan):
     self.plan = plan
     self.queues: dict[int, list[list[dict]]] = {}
+    self.rows: dict[int, list[FirstFitRows]] = {}  # packed: the rows each queue's examples fill
 
   def add(self, example: dict) -> list[tuple[int, int, list[dict]]]:
     epoch, q = int(example["epoch"]), self.plan.queue_of(len(example["input_ids"]))
     queues = self.queues.setdefault(epoch, [[] for _ in self.plan.batch_sizes])
+    if self.plan.packed:
+      return self._add_packed(epoch, q, queues, example)
     queues[q].append(example)
     if len(queues[q]) == self.plan.batch_sizes[q]:
       full, queues[q] = queues[q], []
       return [(epoch, q, full)]
     return []
 
+  def _add_packed(self, epoch: int, q: int, queues: list[list[dict]], example: dict):
+    rows = self.rows.setdefault(epoch, [FirstFitRows(b, t) for b, t in zip(self.plan.batch_sizes,
+                                                                             self.plan.bucket_lengths)])
+    if rows[q].place(len(example["input_ids"])) is not None:
+      queues[q].append(example)
+      return []
+    full, queues[q] = queues[q], [example]
+    rows[q] = FirstFitRows(self.plan.batch_sizes[q], self.plan.bucket_lengths[q])
+    rows[q].place(len(example["input_ids"]))
+    return [(epoch, q, full)]
+
   def flush(self, epoch: int) -> list[tuple[int, int, list[dict]]]:
+    self.rows.pop(epoch, None)
     queues = self.queues.pop(epoch, [])
     return [(epoch, q, items) for q, items in enumerate(queues) if items]
 
@@ -142,7 +165,8 @@ class BucketBatchDatasetIterator(grain.DatasetIterator):
     self._emitted += 1
     batch = self._plan.collate(q, items)
     if self._stats_out is not None:
-      self._stats_out.count_batch(batch, len(items))
+      real_rows = int((batch["attention_mask"].any(axis=1)).sum()) if self._plan.packed else len(items)
+      self._stats_out.count_batch(batch, real_rows)
     batch["epoch"] = np.asarray(epoch, dtype=np.int32)
     if not self._ready and self._queues.empty() and not self._exhausted:
       self._restart(copy.deepcopy(self._parent.get_state()), self._seen)  # nothing buffered: a cheap anchor

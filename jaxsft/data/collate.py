@@ -7,10 +7,11 @@ input_ids, -100 on untrained tokens; the loss does the shift).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
+from jaxsft.data.cost import StepCost
 from jaxsft.labels import IGNORE_INDEX
 
 
@@ -112,20 +113,30 @@ def padding_cost(lengths: Sequence[int], bucket_lengths: Sequence[int]) -> Paddi
 
 
 def choose_buckets(lengths: Sequence[int], num_buckets: int, *, multiple_of: int = 8,
-                   max_length: int | None = None) -> list[int]:
-  """Bucket boundaries minimizing the padded tokens of padding each example to its bucket.
+                   max_length: int | None = None, batch_size: int | Callable[[int], int] | None = None,
+                   cost: StepCost | None = None, epochs: float = 1.0, price_compiles: bool = False) -> list[int]:
+  """Bucket boundaries minimizing the padded tokens, or the predicted seconds, of a bucket plan.
 
   With lengths rounded up to `multiple_of` (clipped to `max_length`) taking the distinct values
-  `v_1 < ... < v_d` with counts `c_j`, a bucket boundary at `v_b` holding `v_{a+1..b}` pads to
-  `v_b * sum_{j=a+1..b} c_j` tokens. The largest boundary is always `v_d` (the longest example,
-  which is `max_length` once examples are truncated to it). Exact dynamic programming:
+  `v_1 < ... < v_d` with counts `c_j` (prefix sums `C_b = sum_{j<=b} c_j`), a bucket whose
+  boundary is `v_b` holds `n = C_b - C_a` examples `v_{a+1..b}`. Its cost is
 
-    `D[k][b] = min_{a<b} D[k-1][a] + v_b * (C_b - C_a)`,  `C_b = sum_{j<=b} c_j`,
+    padding only (no `batch_size`):  w(a, b) = v_b · n
+    with batches of B = batch_size(v_b) rows, fill rows priced, a step costing s(B, T):
+      w(a, b) = epochs · ceil(n / B) · s(B, v_b)  [+ compile_seconds(B, v_b) with `price_compiles`]
 
-  over at most `num_buckets` buckets: O(K d^2) with d <= max_length / multiple_of.
+  `s` is `cost.step_seconds` (default: B·T, so the plan's padded tokens with fill rows counted).
+  The largest boundary is always `v_d` (the longest example, which is `max_length` once examples
+  are truncated to it). The cost is a sum over buckets, so dynamic programming is exact:
+
+    `D[k][b] = min(D[k-1][b], min_{a<b} D[k-1][a] + w(a, b))`
+
+  over at most `num_buckets` buckets: O(K d^2) with d <= max_length / multiple_of. With compiles
+  priced, a larger `num_buckets` only adds candidates: the DP picks how many buckets pay off.
 
   Returns:
-    Sorted boundaries (at most `num_buckets`, fewer when there are fewer distinct values).
+    Sorted boundaries (at most `num_buckets`, fewer when there are fewer distinct values or when
+    more buckets would not lower the cost).
   """
   if num_buckets < 1:
     raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
@@ -137,29 +148,52 @@ def choose_buckets(lengths: Sequence[int], num_buckets: int, *, multiple_of: int
   if max_length is not None:
     rounded_all = np.minimum(rounded_all, max_length)
   values, counts = np.unique(rounded_all, return_counts=True)
-  d = len(values)
-  if d <= num_buckets:
+  if batch_size is None and len(values) <= num_buckets:
     return [int(v) for v in values]
-  csum = np.cumsum(counts)  # C_b, b = 0..d-1 (0-based)
-  v = values.astype(np.float64)
-  # cost[k][b]: least padded tokens covering values 0..b with at most k+1 buckets, the last
-  # ending at v_b; prev[k][b]: where the previous bucket ends (-1: this layer did not help).
-  cost = [v * csum]
-  prev = [np.full(d, -1)]
-  upper = np.triu(np.ones((d, d), dtype=bool), k=1)  # a < b
+  return [int(values[b]) for b in _segment_dp(_bucket_costs(values, counts, batch_size, cost, epochs, price_compiles),
+                                              num_buckets)]
+
+
+def _bucket_costs(values: np.ndarray, counts: np.ndarray, batch_size, cost: StepCost | None, epochs: float,
+                  price_compiles: bool) -> np.ndarray:
+  """w[p, q]: the cost of one bucket holding values p..q-1 (0-based; p < q, else inf)."""
+  d = len(values)
+  prefix = np.concatenate([[0], np.cumsum(counts)])  # prefix[q] = examples among values 0..q-1
+  n = (prefix[None, :] - prefix[:, None]).astype(np.float64)  # n[p, q]
+  width = np.concatenate([[0], values]).astype(np.float64)[None, :]  # the bucket ending at q is v_{q-1}
+  if batch_size is None:
+    w = width * n
+  else:
+    size_of = batch_size if callable(batch_size) else (lambda _t, b=int(batch_size): b)
+    rows = np.array([1] + [size_of(int(v)) for v in values], dtype=np.float64)[None, :]
+    cost = cost if cost is not None else StepCost(a=0.0, b=1.0, c=0.0)
+    w = epochs * np.ceil(n / rows) * cost.step_seconds(rows, width)
+    if price_compiles:
+      w = w + cost.compile_seconds(rows, width)
+  return np.where(np.triu(np.ones((d + 1, d + 1), dtype=bool), k=1), w, np.inf)
+
+
+def _segment_dp(w: np.ndarray, num_buckets: int) -> list[int]:
+  """Indices (into the values) of the bucket ends of the cheapest split of values 0..d-1 into at
+  most `num_buckets` consecutive buckets, bucket p..q-1 costing w[p, q]; ties keep fewer buckets."""
+  d = w.shape[0] - 1
+  # cost[k][q]: least cost of covering values 0..q-1 with at most k+1 buckets; prev[k][q]: where
+  # the last of them starts (-1: this layer did not help).
+  cost = [w[0].copy()]
+  prev = [np.full(d + 1, -1)]
   for _ in range(1, num_buckets):
-    cand = np.where(upper, cost[-1][:, None] + v[None, :] * (csum[None, :] - csum[:, None]), np.inf)
+    cand = cost[-1][:, None] + w
     arg = np.argmin(cand, axis=0)
-    new = cand[arg, np.arange(d)]
+    new = cand[arg, np.arange(d + 1)]
     better = new < cost[-1]
     prev.append(np.where(better, arg, -1))
     cost.append(np.where(better, new, cost[-1]))
-  bounds, k, b = [], num_buckets - 1, d - 1
+  ends, k, q = [], num_buckets - 1, d
   while True:
-    while k > 0 and prev[k][b] < 0:  # at most k buckets did as well as at most k+1
+    while k > 0 and prev[k][q] < 0:  # at most k buckets did as well as at most k+1
       k -= 1
-    bounds.append(int(values[b]))
+    ends.append(q - 1)
     if k == 0:
       break
-    k, b = k - 1, int(prev[k][b])
-  return sorted(bounds)
+    k, q = k - 1, int(prev[k][q])
+  return sorted(ends)

@@ -44,12 +44,14 @@ import grain
 import numpy as np
 
 from jaxsft.data.bucketing import BatchPlan, BucketBatchIterDataset
+from jaxsft.data.choose import choose_packing_widths, packed_batches_per_shape
 from jaxsft.data.collate import bucket_index, choose_buckets
+from jaxsft.data.cost import DEFAULT_COST
 from jaxsft.data.packing import packed_batches
 from jaxsft.data.tokenize import TokenizedRecords, _encode_with_length, _record_error, tokenize_records
 from jaxsft.labels import IGNORE_INDEX
 
-BATCHING = ("static", "dynamic", "bucketed", "packed")
+BATCHING = ("static", "dynamic", "bucketed", "packed", "bucketed_packed")
 
 
 @dataclasses.dataclass
@@ -197,7 +199,7 @@ class _BatchingOptions:
                        f"{self.multiple}")
     if self.tokens_per_batch is not None and self.batching == "dynamic":
       raise ValueError("tokens_per_batch needs a fixed T per batch: use static, bucketed or packed batching")
-    if self.batching == "bucketed" and self.bucket_lengths is not None and max(self.bucket_lengths) < self.max_length:
+    if self.bucketed and self.bucket_lengths is not None and max(self.bucket_lengths) < self.max_length:
       raise ValueError(f"the largest bucket ({max(self.bucket_lengths)}) must be >= max_length ({self.max_length}): "
                        "examples are truncated to max_length, not to the largest bucket")
 
@@ -215,9 +217,13 @@ class _BatchingOptions:
     return math.lcm(max(self.batch_multiple_of, 1), self.shard[1])
 
   @property
+  def bucketed(self) -> bool:
+    return self.batching in ("bucketed", "bucketed_packed")
+
+  @property
   def chooses_buckets(self) -> bool:
-    """Bucketed without `bucket_lengths`: the boundaries come from the token lengths."""
-    return self.batching == "bucketed" and self.bucket_lengths is None
+    """Bucketed (or bucketed packing) without `bucket_lengths`: the boundaries come from the token lengths."""
+    return self.bucketed and self.bucket_lengths is None
 
   def batch_size_for(self, width: int) -> int:
     if self.tokens_per_batch is None:
@@ -234,10 +240,15 @@ class _BatchingOptions:
       return BatchPlan((self.max_length,), (self.batch_size_for(self.max_length),), **common)
     if self.bucket_lengths is not None:
       buckets = sorted(int(b) for b in self.bucket_lengths)
-    else:
-      buckets = choose_buckets(np.minimum(lengths, self.max_length), self.num_buckets,
-                               multiple_of=self.pad_to_multiple_of, max_length=self.max_length)
-    return BatchPlan(tuple(buckets), tuple(self.batch_size_for(b) for b in buckets), **common)
+    elif self.batching == "bucketed_packed":
+      buckets = choose_packing_widths(np.minimum(lengths, self.max_length), self.num_buckets,
+                                      batch_size_for=self.batch_size_for, cost=DEFAULT_COST,
+                                      multiple_of=self.pad_to_multiple_of, max_length=self.max_length)
+    else:  # the fewest padded tokens, fill rows of each bucket's last batch counted
+      buckets = choose_buckets(np.minimum(lengths, self.max_length), self.num_buckets, multiple_of=self.pad_to_multiple_of,
+                               max_length=self.max_length, batch_size=self.batch_size_for)
+    return BatchPlan(tuple(buckets), tuple(self.batch_size_for(b) for b in buckets), packed=self.batching == "bucketed_packed",
+                     **common)
 
 
 def _pad_token_id(tokenizer) -> int:
@@ -349,6 +360,13 @@ def batch_shapes(records: Sequence[dict] | None = None, tokenizer=None, *, lengt
   return sorted(zip(plan.batch_sizes, plan.bucket_lengths))
 
 
+def _record_lengths(tokenized: TokenizedRecords) -> np.ndarray:
+  """Per record, the kept example's length (0 when dropped), read from a store's length arrays."""
+  if hasattr(tokenized.examples, "length_view"):
+    return np.asarray(tokenized.examples.length_view().lengths, dtype=np.int64)
+  return np.array([0 if e is None else len(e["input_ids"]) for e in tokenized.examples], dtype=np.int64)
+
+
 def count_batches(tokenized: TokenizedRecords, *, max_length: int, batching: str = "bucketed",
                   bucket_lengths: Sequence[int] | None = None, num_buckets: int = 8, batch_size: int = 8,
                   tokens_per_batch: int | None = None, pad_to_multiple_of: int = 8, batch_multiple_of: int = 1,
@@ -373,6 +391,12 @@ def count_batches(tokenized: TokenizedRecords, *, max_length: int, batching: str
     step = _TokenizeStep(None, None, max_length=max_length, train_on=train_on, tokenized=tokenized)
     stream = _example_stream(step, seed=seed, shuffle=shuffle, num_epochs=1, worker_count=0, unchunk=False)
     return sum(1 for _ in packed_batches(stream, plan, seed=seed, stats=None, rows_to_batch=len))
+  if batching == "bucketed_packed":  # first-fit per width in the epoch's order, as the batcher packs
+    epoch = grain.MapDataset.range(len(tokenized))
+    order = np.asarray(list((epoch.shuffle(seed=seed) if shuffle else epoch).repeat(1)), dtype=np.int64)
+    in_order = _record_lengths(tokenized)[order]
+    return sum(packed_batches_per_shape(in_order[in_order > 0], plan.bucket_lengths,
+                                        dict(zip(plan.bucket_lengths, plan.batch_sizes)).__getitem__).values())
   if plan.bucket_lengths is None:  # dynamic: one queue
     return -(-len(lengths) // plan.batch_sizes[0])
   per_bucket = np.bincount(bucket_index(lengths, plan.bucket_lengths), minlength=len(plan.bucket_lengths))

@@ -1,4 +1,5 @@
-"""Length statistics and a padding comparison of the four batching modes, from the real pipeline."""
+"""Length statistics and a comparison of the batching modes (padding, shapes, predicted seconds under
+the collation cost model), from the real pipeline."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ from typing import Sequence
 
 import numpy as np
 
+import collections
+
+from jaxsft.data.cost import PlanSeconds, StepCost, plan_seconds
 from jaxsft.data.pipeline import BATCHING, PipelineStats, batch_shapes, make_batches
 from jaxsft.data.tokenize import TokenizedRecords, tokenize_records
 
@@ -19,7 +23,9 @@ def compare_batching(records: Sequence[dict], tokenizer, *, max_length: int = 10
 
   Returns, per mode: `padded` (B*T summed over batches, fill rows included), `real` (tokens with
   attention_mask 1), `waste_frac = 1 - real / padded`, `shapes` (distinct (B, T) emitted),
-  `listed_shapes` (`batch_shapes`), `batches`, and for bucketed the chosen `buckets`.
+  `listed_shapes` (`batch_shapes`), `batches`, `per_shape` (batches of each (B, T)), `listed`
+  (the shapes a trainer compiles), `trained` (label tokens), and for the bucketed modes the chosen
+  `buckets`.
   """
   if tokenized is None:
     tokenized = tokenize_records(tokenizer, records, max_length=max_length, train_on=train_on)
@@ -28,14 +34,15 @@ def compare_batching(records: Sequence[dict], tokenizer, *, max_length: int = 10
     stats = PipelineStats()
     config = dict(max_length=max_length, batching=mode, num_buckets=num_buckets, batch_size=batch_size,
                   pad_to_multiple_of=pad_to_multiple_of, train_on=train_on, tokenized=tokenized)
-    shapes = set()
+    per_shape = collections.Counter()
     for batch in make_batches(records, tokenizer, seed=seed, num_epochs=1, stats=stats, **config):
-      shapes.add(batch["input_ids"].shape)
+      per_shape[batch["input_ids"].shape] += 1
     listed = batch_shapes(records, tokenizer, **config)
     out[mode] = {"padded": stats.padded_tokens, "real": stats.real_tokens, "waste_frac": stats.waste_frac,
-                 "shapes": len(shapes), "listed_shapes": len(listed), "batches": stats.batches,
-                 "fill_rows": stats.fill_rows, "dropped": stats.dropped, "truncated": stats.truncated}
-    if mode == "bucketed":
+                 "shapes": len(per_shape), "listed_shapes": len(listed), "batches": stats.batches,
+                 "fill_rows": stats.fill_rows, "dropped": stats.dropped, "truncated": stats.truncated,
+                 "per_shape": dict(per_shape), "listed": listed, "trained": stats.label_tokens}
+    if mode in ("bucketed", "bucketed_packed"):
       out[mode]["buckets"] = [t for _, t in listed]
   return out
 
@@ -63,11 +70,25 @@ def text_histogram(lengths: Sequence[int], *, max_length: int, bins: int = 16, w
   return "\n".join(f"{label} {'#' * round(width * c / top):<{width}} {c}" for label, c in zip(labels, counts))
 
 
-def format_comparison(result: dict[str, dict]) -> str:
-  lines = [f"{'mode':<9} {'padded tokens':>14} {'real tokens':>12} {'waste %':>8} {'shapes':>7} {'batches':>8}"]
+def predict_seconds(result: dict[str, dict], cost: StepCost, *, epochs: float = 1.0) -> dict[str, PlanSeconds]:
+  """Per mode of `compare_batching`'s result: its emitted batches' steps, `epochs` times, and a
+  compile of every listed shape, priced by `cost`."""
+  return {mode: plan_seconds(cost, r["per_shape"], r["listed"], epochs=epochs, trained_tokens=r["trained"])
+          for mode, r in result.items()}
+
+
+def format_comparison(result: dict[str, dict], predicted: dict[str, PlanSeconds] | None = None) -> str:
+  """The table of modes; with `predicted`, the end-to-end seconds (steps + compiles) of each."""
+  more = f" {'steps s':>9} {'compile s':>9} {'total s':>9}" if predicted else ""
+  lines = [f"{'mode':<15} {'padded tokens':>14} {'real tokens':>12} {'waste %':>8} {'shapes':>7} {'batches':>8}{more}"]
   for mode, r in result.items():
-    lines.append(f"{mode:<9} {r['padded']:>14,} {r['real']:>12,} {100 * r['waste_frac']:>8.1f} "
-                 f"{r['shapes']:>7} {r['batches']:>8}")
-  if "bucketed" in result:
-    lines.append(f"bucket boundaries: {result['bucketed']['buckets']}")
+    more = ""
+    if predicted:
+      p = predicted[mode]
+      more = f" {p.steps:>9.1f} {p.compiles:>9.1f} {p.total:>9.1f}"
+    lines.append(f"{mode:<15} {r['padded']:>14,} {r['real']:>12,} {100 * r['waste_frac']:>8.1f} "
+                 f"{r['shapes']:>7} {r['batches']:>8}{more}")
+  for mode in ("bucketed", "bucketed_packed"):
+    if mode in result:
+      lines.append(f"{'bucket boundaries' if mode == 'bucketed' else 'packing widths'}: {result[mode]['buckets']}")
   return "\n".join(lines)

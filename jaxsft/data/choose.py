@@ -1,0 +1,167 @@
+"""Collation plans from the cost model: each mode's batches per shape from the token lengths, its
+predicted seconds (`cost.plan_seconds`), the widths of bucketed packing, and `batching: auto`.
+
+Batches per shape of one epoch, from the lengths alone (the pipeline emits exactly these; packing
+counts in the order the lengths are given, which for a shuffled epoch is its order):
+
+    static            ceil(N / B) batches of (B, max_length)
+    dynamic           batches of B consecutive examples, each as wide as its longest (rounded up)
+    bucketed          ceil(n_k / B_k) batches of (B_k, T_k) per bucket
+    packed            first-fit rows of max_length, B rows a batch
+    bucketed_packed   per width W_k, first-fit rows of W_k holding the examples whose narrowest
+                      fitting width is W_k, B_k rows a batch
+
+`choose_collation` predicts every candidate (each mode; bucketed with the DP's boundaries for
+every K up to `max_buckets` and with compiles priced, bucketed packing with 1 to 4 widths) and
+returns them cheapest first: the first is what `batching: auto` runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Callable, Sequence
+
+import numpy as np
+
+from jaxsft.data.collate import bucket_index, choose_buckets, round_up
+from jaxsft.data.cost import PlanSeconds, StepCost, plan_seconds
+from jaxsft.data.packing import FirstFitRows
+
+MAX_PACKING_WIDTHS = 4
+
+
+def packed_batches_per_shape(lengths: Sequence[int], widths: Sequence[int],
+                             batch_size_for: Callable[[int], int]) -> dict[tuple[int, int], int]:
+  """Batches per (B_k, W_k) that bucketed packing emits for examples of `lengths`, in that order:
+  each example goes to the narrowest width >= its length; a width's batch is B_k rows filled
+  first-fit, emitted when an example fits in none of them (then the leftovers, at the end)."""
+  widths = sorted(int(w) for w in widths)
+  sizes = [batch_size_for(w) for w in widths]
+  rows = [FirstFitRows(b, w) for b, w in zip(sizes, widths)]
+  counts, used = [0] * len(widths), [False] * len(widths)
+  for length, k in zip(np.asarray(lengths).tolist(), np.atleast_1d(bucket_index(np.asarray(lengths), widths)).tolist()):
+    if rows[k].place(length) is None:
+      counts[k] += 1
+      rows[k] = FirstFitRows(sizes[k], widths[k])
+      rows[k].place(length)
+    used[k] = True
+  return {(b, w): n + u for b, w, n, u in zip(sizes, widths, counts, used) if n + u}
+
+
+def choose_packing_widths(lengths: Sequence[int], num_widths: int, *, batch_size_for: Callable[[int], int],
+                          cost: StepCost, multiple_of: int = 8, max_length: int | None = None,
+                          epochs: float = 1.0, price_compiles: bool = False) -> list[int]:
+  """The widths (at most `num_widths`, the widest = the longest example) whose bucketed packing of
+  `lengths` the cost model predicts cheapest.
+
+  Candidates for the narrower widths: the lengths' quartiles and 90th percentile, and half, a
+  quarter and an eighth of the widest, rounded up to `multiple_of`; every subset of at most
+  num_widths - 1 of them is simulated (`packed_batches_per_shape`) and priced (compiles too
+  with `price_compiles`); ties keep fewer widths.
+  """
+  lengths = np.asarray(lengths, dtype=np.int64)
+  if max_length is not None:
+    lengths = np.minimum(lengths, max_length)
+  widest = round_up(int(lengths.max()), multiple_of)
+  if max_length is not None:
+    widest = min(widest, max_length)
+  grid = {round_up(int(np.percentile(lengths, q)), multiple_of) for q in (25, 50, 75, 90)}
+  grid |= {round_up(widest // f, multiple_of) for f in (2, 4, 8)}
+  grid = sorted(w for w in grid if 0 < w < widest)
+  best, best_seconds = [widest], None
+  for k in range(min(num_widths, len(grid) + 1)):
+    for narrower in itertools.combinations(grid, k):
+      widths = list(narrower) + [widest]
+      per_shape = packed_batches_per_shape(lengths, widths, batch_size_for)
+      seconds = plan_seconds(cost, per_shape, list(per_shape) if price_compiles else [], epochs=epochs).total
+      if best_seconds is None or seconds < best_seconds:
+        best, best_seconds = widths, seconds
+  return best
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """A collation plan the cost model priced: make_batches' batching arguments, the batches per
+  shape of one epoch, the shapes compiled, and the predicted seconds of the run."""
+
+  name: str
+  batching: dict
+  batches_per_shape: dict
+  shapes: tuple
+  predicted: PlanSeconds
+
+  def summary(self) -> dict:
+    return {"name": self.name, "batching": self.batching, "shapes": [list(s) for s in self.shapes],
+            "predicted_seconds": self.predicted.to_dict()}
+
+
+def batches_per_shape(batching: str, lengths: Sequence[int], *, max_length: int, batch_size_for: Callable[[int], int],
+                      bucket_lengths: Sequence[int] | None = None,
+                      pad_to_multiple_of: int = 8) -> tuple[dict[tuple[int, int], int], list[tuple[int, int]]]:
+  """(batches per (B, T) of one epoch, shapes compiled) of a mode over kept `lengths` in epoch order
+  (see the module docstring); `bucket_lengths` are the buckets or widths of the bucketed modes."""
+  lengths = np.minimum(np.asarray(lengths, dtype=np.int64), max_length)
+  widest = (batch_size_for(max_length), max_length)
+  if batching == "static":
+    return {widest: -(-len(lengths) // widest[0])}, [widest]
+  if batching == "packed":
+    return packed_batches_per_shape(lengths, [max_length], batch_size_for), [widest]
+  if batching == "bucketed_packed":
+    per_shape = packed_batches_per_shape(lengths, bucket_lengths, batch_size_for)
+    return per_shape, sorted((batch_size_for(t), t) for t in bucket_lengths)
+  if batching == "bucketed":
+    index = np.atleast_1d(bucket_index(lengths, sorted(bucket_lengths)))
+    counts = np.bincount(index, minlength=len(bucket_lengths))
+    shapes = [(batch_size_for(t), int(t)) for t in sorted(bucket_lengths)]
+    return {s: -(-int(n) // s[0]) for s, n in zip(shapes, counts) if n}, shapes
+  if batching == "dynamic":
+    size, m = widest[0], max(pad_to_multiple_of, 1)
+    widths = np.minimum(-(-lengths // m) * m, max_length)
+    per_shape: dict[tuple[int, int], int] = {}
+    for start in range(0, len(widths), size):
+      shape = (size, int(widths[start:start + size].max()))
+      per_shape[shape] = per_shape.get(shape, 0) + 1
+    return per_shape, [(size, int(w)) for w in sorted(set(widths.tolist()))]  # any batch may end at any width
+  raise ValueError(f"no cost model for batching {batching!r}")
+
+
+def choose_collation(lengths: Sequence[int], *, cost: StepCost, max_length: int, batch_size_for: Callable[[int], int],
+                     pad_to_multiple_of: int = 8, epochs: float = 1.0, max_buckets: int = 16,
+                     modes: Sequence[str] = ("static", "dynamic", "bucketed", "packed", "bucketed_packed"),
+                     fixed_bucket_counts: Sequence[int] = (2, 4, 8, 16), trained_tokens: int = 0) -> list[Candidate]:
+  """Every candidate plan of `modes` priced by `cost` over `epochs` epochs (`trained_tokens` a
+  epoch: the same for all), cheapest first.
+
+  Bucketed: "bucketed auto" (the DP with fill rows, step cost and compiles priced, K <= max_buckets)
+  and the DP's boundaries at each of `fixed_bucket_counts` (with steps priced, not compiles, as
+  `num_buckets: K` runs them); bucketed packing: the widths `choose_packing_widths` picks
+  (compiles priced, at most `MAX_PACKING_WIDTHS`).
+  """
+  lengths = np.minimum(np.asarray(lengths, dtype=np.int64), max_length)
+  common = dict(multiple_of=pad_to_multiple_of, max_length=max_length)
+  plans: list[tuple[str, str, list[int] | None, int | None]] = []  # (name, batching, buckets, num_buckets)
+  for mode in modes:
+    if mode == "bucketed":
+      buckets = choose_buckets(lengths, max_buckets, batch_size=batch_size_for, cost=cost, epochs=epochs,
+                               price_compiles=True, **common)
+      plans.append(("bucketed auto", "bucketed", buckets, len(buckets)))
+      for k in fixed_bucket_counts:
+        plans.append((f"bucketed K={k}", "bucketed",
+                      choose_buckets(lengths, k, batch_size=batch_size_for, cost=cost, epochs=epochs, **common), k))
+    elif mode == "bucketed_packed":
+      widths = choose_packing_widths(lengths, MAX_PACKING_WIDTHS, batch_size_for=batch_size_for, cost=cost,
+                                     epochs=epochs, price_compiles=True, **common)
+      plans.append(("bucketed_packed auto", "bucketed_packed", widths, len(widths)))
+    else:
+      plans.append((mode, mode, None, None))
+  out = []
+  for name, batching, buckets, num_buckets in plans:
+    per_shape, shapes = batches_per_shape(batching, lengths, max_length=max_length, batch_size_for=batch_size_for,
+                                          bucket_lengths=buckets, pad_to_multiple_of=pad_to_multiple_of)
+    arguments = {"batching": batching, "bucket_lengths": buckets}
+    if num_buckets is not None:
+      arguments["num_buckets"] = num_buckets
+    out.append(Candidate(name, arguments, per_shape, tuple(shapes),
+                         plan_seconds(cost, per_shape, shapes, epochs=epochs, trained_tokens=trained_tokens)))
+  return sorted(out, key=lambda c: c.predicted.total)
