@@ -4,6 +4,8 @@ Small settings (a few records, short widths, a couple of steps); the figures the
 from `python -m benchmarks.collation` and `python -m benchmarks.vs_torch`.
 """
 
+import dataclasses
+import json
 import pathlib
 import sys
 
@@ -191,3 +193,40 @@ def test_cpu_vector_isa_names_the_widest_extension():
   assert common.cpu_name("model name\t: AMD EPYC\nflags : avx2\n") == "AMD EPYC"  # the same text serves both
   info = {**common.machine_info(), "cpu": "AMD EPYC", "vector_isa": "AVX2"}
   assert common.machine_line(info).startswith("AMD EPYC (AVX2), ")
+
+
+def test_model_flops_count_each_product_of_the_step():
+  """The count from the shapes: the frozen projections twice (forward, input gradients), the
+  attention's two products three times, LoRA three times, the LM head twice over the trained
+  positions; each layer is one trip of the layer loop."""
+  from benchmarks import model_flops
+
+  config = json.loads(common.CONFIG_MODELS["smollm2-135m"].read_text())
+  s = model_flops.StepShape.from_hf_config(config, batch=8, length=128, trained_tokens=500.0)
+  f = model_flops.step_flops(s)
+  n, h, i, layers = 8 * 128, 576, 1536, 30
+  linear_weights = h * (576 + 192 + 192 + 576) + 3 * h * i  # q, k, v, o (9 heads / 3 KV heads of 64), SwiGLU
+  assert f["projections_forward"] == 2 * n * layers * linear_weights
+  assert f["attention_forward"] == layers * 2 * 2 * 8 * 9 * 128**2 * 64
+  assert f["lora_forward"] == layers * 2 * n * 8 * ((576 + 576) + (576 + 192))
+  assert f["lm_head_forward"] == 2 * 500 * h * 49152
+  assert f["step"] == (2 * f["projections_forward"] + 3 * f["attention_forward"] + 3 * f["lora_forward"]
+                       + 2 * f["lm_head_forward"])
+  longer = model_flops.step_flops(dataclasses.replace(s, length=256))
+  assert longer["attention_forward"] == 4 * f["attention_forward"]
+  assert longer["projections_forward"] == 2 * f["projections_forward"]
+  every_linear = dataclasses.replace(s, lora_rank=16, lora_targets=tuple(s.projection_dims()))
+  assert model_flops.step_flops(every_linear)["lora_forward"] > 4 * f["lora_forward"]
+  with pytest.raises(ValueError, match="lm_head"):
+    model_flops.step_flops(dataclasses.replace(s, lora_targets=("lm_head",)))
+  assert model_flops.gpu_peak("NVIDIA H200", "bfloat16") == 989e12
+  assert model_flops.gpu_peak("cpu", "float32") is None
+
+
+def test_config_models_are_the_real_shapes_with_fewer_layers_on_request():
+  eight_b = common.random_model_config("llama-3.1-8b")
+  assert (eight_b.num_layers, eight_b.hidden_size, eight_b.vocab_size) == (32, 4096, 128256)
+  one_b = common.random_model_config("llama-3.2-1b", num_layers=2)
+  assert (one_b.num_layers, one_b.hidden_size, one_b.tie_word_embeddings) == (2, 2048, True)
+  with pytest.raises(ValueError, match="llama-3.2-1b"):
+    common.random_model_config("llama-9b")
