@@ -78,8 +78,8 @@ fi
 # 2. Refuse early, in one line, what cannot work.
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' \
   || refuse "$PYTHON is $("$PYTHON" --version 2>&1), the gathered wheels are for CPython 3.12"
-ls "$WHEELS"/*.whl >/dev/null 2>&1 \
-  || refuse "no wheels in $WHEELS: run 'python -m benchmarks.gpu_wheels' where pip reaches PyPI, then bring the tree"
+ls "$WHEELS"/*.whl "$WHEELS"/tokenizer/tokenizer.json >/dev/null 2>&1 \
+  || refuse "no wheels or tokenizer in $WHEELS: run 'python -m benchmarks.gpu_wheels' where pip reaches PyPI, then bring the tree"
 missing=$("$PYTHON" -c '
 import importlib.util
 mods = ("jax", "flax", "optax", "orbax.checkpoint", "transformers", "tokenizers", "safetensors", "numpy", "yaml", "jinja2")

@@ -26,13 +26,14 @@ LOSS_TOLERANCE, GRAD_TOLERANCE = 1e-5, 1e-4
 TARGETS = ("q_proj", "v_proj", "down_proj")
 
 
-def prepare(workdir: pathlib.Path, shape=(2, 64)) -> dict:
+def prepare(workdir: pathlib.Path, shape=(2, 64), *, dataset: str = "alpaca_en_demo.json", tokenizer_dir=None) -> dict:
   """Weights, an adapter with non-zero B, and one batch, written into `workdir`."""
   from safetensors.numpy import load_file, save_file
 
   from benchmarks import vs_torch
 
-  meta = vs_torch.prepare(workdir, model_name="tiny", shapes=[shape], steps=1, lora_targets=TARGETS, log=lambda s: None)
+  meta = vs_torch.prepare(workdir, model_name="tiny", shapes=[shape], steps=1, lora_targets=TARGETS, dataset=dataset,
+                          tokenizer_dir=tokenizer_dir, log=lambda s: None)
   path = pathlib.Path(meta["adapter"]) / "adapter_model.safetensors"
   tensors = load_file(str(path))
   rng = np.random.default_rng(0)
@@ -111,11 +112,14 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--device", default="cuda", help="torch's device (JAX uses its default backend)")
   parser.add_argument("--out", help="write the result as JSON here")
+  parser.add_argument("--dataset", default="alpaca_en_demo.json", help="as benchmarks.vs_torch's (`builtin`: generated)")
+  parser.add_argument("--tokenizer", help="as benchmarks.vs_torch's")
   args = parser.parse_args(argv)
   import jax
 
   with tempfile.TemporaryDirectory(prefix="jaxsft_parity_") as tmp:
-    meta = prepare(pathlib.Path(tmp))
+    meta = prepare(pathlib.Path(tmp), dataset=common.BUILTIN if args.dataset == "builtin" else args.dataset,
+                   tokenizer_dir=args.tokenizer)
     result = compare(jax_loss_and_grads(meta), torch_loss_and_grads(meta, args.device))
   result.update(jax_backend=jax.default_backend(), device=args.device)
   print(f"parity ({jax.default_backend()} / torch {args.device}): |Δloss| {result['loss_abs_diff']:.1e} "

