@@ -18,7 +18,8 @@
 # from the real configs in configs/models (no download; speed does not depend on the values).
 #
 # --rehearse: the "image" is a python3.12 venv pinned to the GPU image's versions (made once with
-# pip: jax 0.11.2 for the CPU, transformers 5.17, ...; REHEARSE_IMAGE names it), every cell runs on
+# pip: jax 0.11.2 for the CPU, transformers 5.17, ..., and jinja2, which the image's torch brings;
+# REHEARSE_IMAGE names it), every cell runs on
 # the CPU with the tiny model at 2x64, and the results go to benchmarks/results/gpu_rehearsal.md.
 # PyPI's only cp312 torch 2.11 is the CUDA build (several GB of nvidia-* wheels), so the PyTorch
 # side of the rehearsal runs under TORCH_PYTHON (default: the project's .venv/bin/python).
@@ -41,7 +42,7 @@ if [ "$MODE" = rehearse ]; then
     echo "gpu.sh: making the rehearsal image $REHEARSE_IMAGE (python3.12, the GPU image's versions, CPU jax)"
     PYENV_VERSION="${PYENV_VERSION:-3.12.1}" python3.12 -m venv "$REHEARSE_IMAGE" \
       && "$REHEARSE_IMAGE/bin/python" -m pip install -q jax==0.11.2 jaxlib==0.11.2 flax optax orbax-checkpoint \
-           transformers==5.17.0 tokenizers pyarrow \
+           transformers==5.17.0 tokenizers pyarrow jinja2 \
       && "$REHEARSE_IMAGE/bin/python" -m pip install -q --no-deps peft \
       || refuse "could not make the rehearsal image $REHEARSE_IMAGE"
   fi

@@ -1,20 +1,24 @@
 """Loss and LoRA-gradient parity of jaxsft against transformers + peft on one device, float32.
 
-    python -m benchmarks.gpu_parity [--device cuda] [--out benchmarks/results/parity_gpu.json]
+    python -m benchmarks.gpu_parity [--device cuda] [--out benchmarks/results/parity_gpu.json] [--torch-python PY]
 
 The tiny random Llama (`benchmarks.common.tiny_config`) written once as safetensors, one LoRA
 adapter (r 8 / alpha 16 on q_proj, v_proj, down_proj; B drawn non-zero so A's gradients are not
 zero) loaded by both, one batch of `alpaca_en_demo.json` from jaxsft's pipeline. Both sides in
 float32 at full precision: JAX under `jax.default_matmul_precision("highest")`, torch with TF32
 off for matmuls and cuDNN. Compared: the mean loss (Σ nll / Σ trained tokens; |Δ| ≤ 1e-5) and
-every LoRA gradient (max |Δ| / max |torch| per tensor, the worst tensor ≤ 1e-4).
+every LoRA gradient (max |Δ| / max |torch| per tensor, the worst tensor ≤ 1e-4). Each side runs
+in its own process (the PyTorch one under `--torch-python` where given) and leaves its loss and
+gradients in an .npz file.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
+import subprocess
 import sys
 import tempfile
 
@@ -39,8 +43,33 @@ def prepare(workdir: pathlib.Path, shape=(2, 64), *, dataset: str = "alpaca_en_d
   rng = np.random.default_rng(0)
   tensors = {k: (0.05 * rng.standard_normal(v.shape)).astype(v.dtype) if "lora_B" in k else v for k, v in tensors.items()}
   save_file(tensors, str(path))
-  batch = np.load(workdir / f"batches_{shape[0]}x{shape[1]}.npz")
+  (workdir / "meta.json").write_text(json.dumps({**meta, "shape": list(shape)}))
+  return load_meta(workdir)
+
+
+def load_meta(workdir: pathlib.Path) -> dict:
+  meta = json.loads((workdir / "meta.json").read_text())
+  batch = np.load(workdir / f"batches_{meta['shape'][0]}x{meta['shape'][1]}.npz")
   return {**meta, "batch": {k: batch[k][0] for k in batch.files}}
+
+
+def save_side(path: pathlib.Path, loss: float, grads: dict[str, np.ndarray]) -> None:
+  np.savez(path, __loss__=np.float64(loss), **grads)
+
+
+def load_side(path: pathlib.Path) -> tuple[float, dict[str, np.ndarray]]:
+  data = np.load(path)
+  return float(data["__loss__"]), {k: data[k] for k in data.files if k != "__loss__"}
+
+
+def run_side(side: str, workdir: pathlib.Path, device: str, python: str) -> tuple[float, dict[str, np.ndarray]]:
+  """One side's loss and gradients, computed in a fresh process."""
+  cmd = [python, "-m", "benchmarks.gpu_parity", "--side", side, "--workdir", str(workdir), "--device", device]
+  env = dict(os.environ, PYTHONPATH=str(common.ROOT))
+  proc = subprocess.run(cmd, cwd=common.ROOT, env=env, capture_output=True, text=True)
+  if proc.returncode != 0:
+    raise RuntimeError(f"the {side} side failed: {' | '.join(proc.stderr.strip().splitlines()[-3:])}")
+  return load_side(workdir / f"{side}.npz")
 
 
 def jax_loss_and_grads(meta: dict) -> tuple[float, dict[str, np.ndarray]]:
@@ -114,13 +143,23 @@ def main(argv=None) -> int:
   parser.add_argument("--out", help="write the result as JSON here")
   parser.add_argument("--dataset", default="alpaca_en_demo.json", help="as benchmarks.vs_torch's (`builtin`: generated)")
   parser.add_argument("--tokenizer", help="as benchmarks.vs_torch's")
+  parser.add_argument("--torch-python", help="interpreter for the PyTorch side (default: this one)")
+  parser.add_argument("--side", choices=("jax", "torch"), help=argparse.SUPPRESS)
+  parser.add_argument("--workdir", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  if args.side:  # worker
+    workdir = pathlib.Path(args.workdir)
+    meta = load_meta(workdir)
+    side = jax_loss_and_grads(meta) if args.side == "jax" else torch_loss_and_grads(meta, args.device)
+    save_side(workdir / f"{args.side}.npz", *side)
+    return 0
   import jax
 
   with tempfile.TemporaryDirectory(prefix="jaxsft_parity_") as tmp:
-    meta = prepare(pathlib.Path(tmp), dataset=common.BUILTIN if args.dataset == "builtin" else args.dataset,
-                   tokenizer_dir=args.tokenizer)
-    result = compare(jax_loss_and_grads(meta), torch_loss_and_grads(meta, args.device))
+    workdir = pathlib.Path(tmp)
+    prepare(workdir, dataset=common.BUILTIN if args.dataset == "builtin" else args.dataset, tokenizer_dir=args.tokenizer)
+    result = compare(run_side("jax", workdir, args.device, sys.executable),
+                     run_side("torch", workdir, args.device, args.torch_python or sys.executable))
   result.update(jax_backend=jax.default_backend(), device=args.device)
   print(f"parity ({jax.default_backend()} / torch {args.device}): |Δloss| {result['loss_abs_diff']:.1e} "
         f"(≤ {LOSS_TOLERANCE:.0e}), LoRA grads max rel err {result['grad_max_rel_err']:.1e} (≤ {GRAD_TOLERANCE:.0e}, "

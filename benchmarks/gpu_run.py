@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -58,7 +59,7 @@ CELLS = (
     Cell("llama8b_bf16", "Llama-3.1-8B shapes, bfloat16, 4x2048, LoRA r 16 on all linear layers", 160,
          "llama-3.1-8b", "bfloat16", "4x2048", 16, ALL_LINEAR),
 )
-REHEARSAL_LIMIT_S = 300  # per cell on a shared 2-core CPU
+REHEARSAL_LIMIT_S = 900  # per cell on a shared 2-core CPU
 
 
 def cell_command(cell: Cell, *, rehearse: bool, torch_python: str | None, out_dir: pathlib.Path) -> list[str]:
@@ -68,7 +69,8 @@ def cell_command(cell: Cell, *, rehearse: bool, torch_python: str | None, out_di
   data = ["--dataset", "builtin", "--tokenizer", str(TOKENIZER)]
   if cell.name == "parity":
     return [python, "-m", "benchmarks.gpu_parity", "--device", "cpu" if rehearse else "cuda", *data,
-            "--out", str(out_dir / f"parity{'_rehearsal' if rehearse else '_gpu'}.json")]
+            "--out", str(out_dir / f"parity{'_rehearsal' if rehearse else '_gpu'}.json"),
+            *(["--torch-python", torch_python] if torch_python else [])]
   steps, shape, model = ("3", "2x64", "tiny") if rehearse else ("6", cell.shape, cell.model)
   limit = REHEARSAL_LIMIT_S if rehearse else cell.limit_s
   # Within the cell's limit: the runs in order (jaxsft, torch eager, peers), then torch.compile.
@@ -93,19 +95,24 @@ def run_cell(cell: Cell, *, rehearse: bool, torch_python: str | None, out_dir: p
     env["JAX_PLATFORMS"] = "cpu"
   log(f"== {cell.name}: {cell.what} (limit {limit} s)")
   t0 = time.perf_counter()
+  # A session of its own: at the limit the cell's workers (and torch.compile's) go with it, so
+  # they hold neither the device nor the cores in the next cell.
+  proc = subprocess.Popen(cmd, cwd=common.ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True)
   try:
-    proc = subprocess.run(cmd, cwd=common.ROOT, env=env, capture_output=True, text=True, timeout=limit)
-  except subprocess.TimeoutExpired as e:
-    out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-    tail = out.strip().splitlines()[-3:]
+    stdout, stderr = proc.communicate(timeout=limit)
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    stdout, stderr = proc.communicate()
+    tail = stdout.strip().splitlines()[-3:]
     log(f"   {cell.name}: ran past its {limit} s limit; last lines: {' | '.join(tail)}")
     return {"cell": cell.name, "status": "timeout", "limit_s": limit, "seconds": time.perf_counter() - t0,
             "last_lines": tail}
   seconds = time.perf_counter() - t0
-  lines = proc.stdout.strip().splitlines()
+  lines = stdout.strip().splitlines()
   failed_runs = [l.strip() for l in lines if ": failed (exit" in l or "no result within" in l]
   if proc.returncode != 0:
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-4:]
+    tail = (stderr or stdout).strip().splitlines()[-4:]
     log(f"   {cell.name}: failed (exit {proc.returncode}) in {seconds:.0f} s: {' | '.join(tail)}")
     return {"cell": cell.name, "status": "failed", "returncode": proc.returncode, "seconds": seconds, "error": tail}
   summary = [l for l in lines if l.startswith(("parity", "  jaxsft", "  torch", "  trl", "  tunix"))]

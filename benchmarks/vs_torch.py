@@ -44,6 +44,7 @@ import argparse
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import tempfile
@@ -511,15 +512,20 @@ def run_worker(framework: str, workdir, shape, *, steps, dtype, device, threads,
   if framework == "torch_compile":  # a cold compile, like jaxsft's (no on-disk cache from earlier runs)
     env.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
   t0, load = time.perf_counter(), os.getloadavg()[0]
+  # A session of its own, so that at the limit its children (torch.compile's workers) go too.
+  proc = subprocess.Popen(cmd, cwd=common.ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True)
   try:
-    proc = subprocess.run(cmd, cwd=common.ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    stdout, stderr = proc.communicate(timeout=timeout)
   except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
     log(f"  {framework} {shape}: no result within the {timeout} s limit")
     return {"status": "timeout", "limit_s": timeout}
   wall = time.perf_counter() - t0
-  lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+  lines = [l for l in stdout.splitlines() if l.startswith("RESULT ")]
   if proc.returncode != 0 or not lines:
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
+    tail = (stderr or stdout).strip().splitlines()[-6:]
     log(f"  {framework} {shape}: failed (exit {proc.returncode}): {' | '.join(tail)}")
     return {"status": "failed", "returncode": proc.returncode, "error": "\n".join(tail)}
   out = json.loads(lines[-1][len("RESULT "):])
