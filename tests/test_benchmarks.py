@@ -105,6 +105,11 @@ def test_vs_torch_keeps_contended_runs_out_of_the_summary():
   per = vs_torch.summarize(runs, [(8, 128)], {"8x128": 500.0}, model_flops={"8x128": 2e9}, peak_flops=4e9)["8x128"]
   assert per["jaxsft"]["model_flops_per_s"] == 2e9 and per["jaxsft"]["mfu"] == 0.5  # 2 GFLOP in 1 s of 4 GFLOP/s
   assert per["torch_eager"]["mfu"] == pytest.approx(2e9 / 4.1 / 4e9)
+  goals = vs_torch.targets(per, "cpu")
+  assert goals["torch_eager"]["met"] and goals["torch_eager"]["target"] == 1.0
+  assert goals["trl_sft"]["met"] is None and goals["trl_sft"]["target"] == 1.2  # not measured: neither met nor missed
+  assert goals["jaxsft_mfu"] == {"mfu": 0.5, "target": 0.7, "met": False}
+  assert "jaxsft_mfu" not in vs_torch.targets(per, "cuda")
   assert per["jaxsft"]["step_s"] == 1.0 and per["jaxsft"]["step_min_s"] == 0.9
   assert not per["jaxsft"]["contended"] and per["jaxsft"]["contended_runs_left_out"] == 1
   assert per["torch_eager"]["contended"] and per["torch_eager"]["runs"] == 2
