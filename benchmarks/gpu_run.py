@@ -73,10 +73,11 @@ def cell_command(cell: Cell, *, rehearse: bool, torch_python: str | None, out_di
             *(["--torch-python", torch_python] if torch_python else [])]
   steps, shape, model = ("3", "2x64", "tiny") if rehearse else ("6", cell.shape, cell.model)
   limit = REHEARSAL_LIMIT_S if rehearse else cell.limit_s
-  # Within the cell's limit: the runs in order (jaxsft, torch eager, peers), then torch.compile.
+  # Within the cell's limit (less a margin to write the results): the runs in order (jaxsft, torch
+  # eager, peers), then torch.compile, each cut to what is left.
   cmd = [python, "-m", "benchmarks.vs_torch", "--model", model, "--dtype", cell.dtype, "--shapes", shape,
          "--steps", steps, "--reps", "1", "--quiet-wait", "0", "--device", "cpu" if rehearse else "cuda",
-         "--timeout", str(int(limit * 0.3)), "--compile-timeout", str(int(limit * 0.3)),
+         "--timeout", str(int(limit * 0.5)), "--compile-timeout", str(int(limit * 0.5)), "--budget", str(limit - 15),
          "--lora-rank", str(cell.lora_rank), "--lora-targets", *cell.lora_targets,
          "--suffix", f"_{cell.name}{'_rehearsal' if rehearse else '_gpu'}", *data]
   if rehearse:

@@ -648,6 +648,11 @@ def markdown(result: dict, command: str) -> str:
             "includes OpenMP spin-waiting); load at start = 1-minute load average when each repetition started (this "
             "benchmark's own run adds about its thread count). A run that started with the load above threads + 1.0 "
             "is contended and left out whenever a quiet run of the same cell exists.", ""]
+  cudnn = {key: per["jaxsft"].get("cudnn_attention") for key, per in result["summary"].items()
+           if per["jaxsft"].get("cudnn_attention") is not None}
+  if cudnn:
+    lines += ["cuDNN attention (a `__cudnn$fmha` call in jaxsft's compiled step): "
+              + ", ".join(f"{key} {'used' if used else 'NOT used'}" for key, used in cudnn.items()) + ".", ""]
   if result.get("model_flops"):
     peak = result.get("peak_flops") or {}
     lines += ["Model GFLOP/s = the step's model FLOPs counted from the shapes (`benchmarks.model_flops`: "
@@ -758,11 +763,19 @@ def machine_peak(machine: dict, dtype: str, device: str, threads: int, torch_pyt
 def run_comparison(*, model_name: str, shapes, steps: int, reps: int, dtype: str, device: str, threads: int,
                    frameworks=FRAMEWORKS, compile_timeout: int = 600, timeout: int = 900, profile: bool = False,
                    quiet_wait: float = 0.0, workdir=None, torch_python: str | None = None, num_layers: int | None = None,
+                   budget_s: float | None = None,
                    measure_peak: bool = True, lora_r: int = 8, lora_targets=("q_proj", "v_proj"),
                    dataset: str = "alpaca_en_demo.json", tokenizer_dir=None, log=print) -> dict:
   """Prepares the weights, adapter and batches once, then runs every framework's workers (see the
   module doc); `torch_python` runs the PyTorch side under another interpreter, `num_layers`
-  shortens a random-weight model, `measure_peak` times the machine's matmul rate on a CPU."""
+  shortens a random-weight model, `measure_peak` times the machine's matmul rate on a CPU;
+  `budget_s` bounds the whole call: each run's limit is cut to what is left, so the results are
+  written even when the later runs do not fit."""
+  deadline = time.monotonic() + budget_s if budget_s else float("inf")
+
+  def limit(seconds: float) -> int:
+    return max(1, int(min(seconds, deadline - time.monotonic() - 5)))
+
   result = {"machine": common.machine_info(), "model": model_name, "dtype": dtype, "device": device,
             "shapes": [f"{b}x{t}" for b, t in shapes], "steps": steps, "reps": reps, "threads": threads,
             "torch_version": _torch_version(torch_python), "frameworks": list(frameworks), "num_layers": num_layers,
@@ -791,12 +804,12 @@ def run_comparison(*, model_name: str, shapes, steps: int, reps: int, dtype: str
         for fw in interleaved:  # A B A B
           log(f"rep {rep + 1}/{reps} {fw} {shape}")
           wait_for_quiet(threads, device, limit_s=quiet_wait, log=log)
-          runs[fw].setdefault(f"{shape[0]}x{shape[1]}", []).append(run_worker(fw, workdir, shape, timeout=timeout, **kw))
+          runs[fw].setdefault(f"{shape[0]}x{shape[1]}", []).append(run_worker(fw, workdir, shape, timeout=limit(timeout), **kw))
     if "torch_compile" in frameworks:
       for shape in shapes:
         log(f"torch_compile {shape} (limit {compile_timeout} s)")
         runs["torch_compile"].setdefault(f"{shape[0]}x{shape[1]}", []).append(
-            run_worker("torch_compile", workdir, shape, timeout=compile_timeout, **kw))
+            run_worker("torch_compile", workdir, shape, timeout=limit(compile_timeout), **kw))
     result["runs"] = runs
     result["summary"] = summarize(runs, shapes, trained, model_flops=result["model_flops"],
                                   peak_flops=result["peak_flops"].get("flops"))
@@ -806,7 +819,7 @@ def run_comparison(*, model_name: str, shapes, steps: int, reps: int, dtype: str
         key = f"{shape[0]}x{shape[1]}"
         parts = {}
         for fw, name in (("jaxsft_profile", "jaxsft"), ("torch_profile", "torch")):
-          out = run_worker(fw, workdir, shape, timeout=timeout, **kw)
+          out = run_worker(fw, workdir, shape, timeout=limit(timeout), **kw)
           for part, seconds in (out.get("parts") or {}).items():
             parts.setdefault(part, {})[name] = seconds
         result["profile"][key] = parts
@@ -844,6 +857,8 @@ def main(argv=None) -> int:
                       help="LoRA target modules (default: %(default)s)")
   parser.add_argument("--compile-timeout", type=int, default=600, help="seconds per torch.compile run")
   parser.add_argument("--timeout", type=int, default=900, help="seconds per other run")
+  parser.add_argument("--budget", type=float, help="seconds for the whole comparison: each run's limit is cut to "
+                                                    "what is left, and the results are written (default: no bound)")
   parser.add_argument("--profile", action="store_true", help="also time the step's parts on both sides")
   parser.add_argument("--quick", action="store_true", help="one shape 8x128, 4 steps, 1 repetition, no torch.compile")
   parser.add_argument("--suffix", default="", help="result file suffix, e.g. _gpu")
@@ -866,6 +881,7 @@ def main(argv=None) -> int:
   result = run_comparison(model_name=args.model, shapes=shapes, steps=args.steps, reps=args.reps, dtype=args.dtype,
                           device=args.device, threads=args.threads, frameworks=args.frameworks,
                           compile_timeout=args.compile_timeout, timeout=args.timeout, profile=args.profile,
+                          budget_s=args.budget,
                           quiet_wait=args.quiet_wait, torch_python=args.torch_python, num_layers=args.num_layers,
                           lora_r=args.lora_rank, lora_targets=args.lora_targets, tokenizer_dir=args.tokenizer,
                           dataset=common.BUILTIN if args.dataset == "builtin" else args.dataset,
