@@ -108,8 +108,10 @@ def trl_worker(batches: list[dict], meta: dict, *, steps: int, dtype: str, devic
 
 # --------------------------------------------------------------------------- Tunix
 def tunix_model_config(hf_config: dict):
-  """Tunix's `llama3.ModelConfig` for a transformers Llama config.json (Tunix's rope has no
-  Llama-3.1 frequency scaling: step time is the same, the values differ from transformers')."""
+  """Tunix's `llama3.ModelConfig` for a transformers Llama config.json. Tunix 0.1.7's attention
+  calls `apply_rope` without the config's `rope_theta` (it rotates with base 1e6) and has no
+  Llama-3.1 frequency scaling: the step's work is the same, its losses are not transformers'
+  (measured on SmolLM2-135M's shapes, 1 layer, 2x128: 6e-3 apart at step 1)."""
   from tunix.models.llama3 import model as llama3
 
   return llama3.ModelConfig(
