@@ -108,10 +108,8 @@ def trl_worker(batches: list[dict], meta: dict, *, steps: int, dtype: str, devic
 
 # --------------------------------------------------------------------------- Tunix
 def tunix_model_config(hf_config: dict):
-  """Tunix's `llama3.ModelConfig` for a transformers Llama config.json. Tunix 0.1.7's attention
-  calls `apply_rope` without the config's `rope_theta` (it rotates with base 1e6) and has no
-  Llama-3.1 frequency scaling: the step's work is the same, its losses are not transformers'
-  (measured on SmolLM2-135M's shapes, 1 layer, 2x128: 6e-3 apart at step 1)."""
+  """Tunix's `llama3.ModelConfig` for a transformers Llama config.json (no Llama-3.1 frequency
+  scaling in Tunix: the step's work is the same, the values differ from transformers')."""
   from tunix.models.llama3 import model as llama3
 
   return llama3.ModelConfig(
@@ -147,6 +145,18 @@ def _copy_peft_factors(model, adapter_dir: str, targets) -> int:
   return count
 
 
+def _rotate_with_the_configs_rope_base(rope_theta) -> None:
+  """Tunix 0.1.7's attention calls `apply_rope` without the config's `rope_theta`, so it rotates
+  with the default base 1e6 (SmolLM2's is 1e5: 6e-3 apart in the first loss on its shapes). Its
+  module-level `apply_rope` is given the config's base: the same work, transformers' values."""
+  import functools
+
+  from tunix.models.llama3 import model as llama3
+
+  original = getattr(llama3.apply_rope, "func", llama3.apply_rope)
+  llama3.apply_rope = functools.partial(original, rope_theta=rope_theta)
+
+
 def tunix_worker(batches: list[dict], meta: dict, *, steps: int, dtype: str, device: str, lr: float,
                  memory) -> dict:
   """`steps` optimizer steps of Tunix's `PeftTrainer`, one batch each, in the order given."""
@@ -164,6 +174,7 @@ def tunix_worker(batches: list[dict], meta: dict, *, steps: int, dtype: str, dev
   t0 = time.perf_counter()
   hf_config = json.loads((pathlib.Path(meta["hf_dir"]) / "config.json").read_text())
   config = tunix_model_config(hf_config)
+  _rotate_with_the_configs_rope_base(config.rope_theta)
   jdtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
   mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   with mesh:
