@@ -12,6 +12,13 @@ eps 1e-8, no weight decay).
   torch eager     `peft.get_peft_model(AutoModelForCausalLM)` (SDPA attention), `model(..., labels=)`
                   → backward → `clip_grad_norm_` → `torch.optim.AdamW`
   torch.compile   the same with `torch.compile(model)`, each in its own process under a time limit
+  trl_sft         TRL's `SFTTrainer` on the same model and adapter (`benchmarks.peers`)
+  tunix_peft      Tunix's `PeftTrainer` on its Llama-3 model with qwix LoRA (`benchmarks.peers`)
+
+Every row also has the model FLOP rate (`benchmarks.model_flops`: the step's FLOPs counted from
+the shapes) and its fraction of the peak: a GPU's data-sheet rate, or on a CPU the faster of XLA's
+and PyTorch's measured single-matmul rate on the same machine. `--model smollm2-135m`,
+`llama-3.2-1b`, `llama-3.1-8b` draw random weights with the real configs in configs/models.
 
 Every run is a fresh subprocess (its peak RSS is the framework's memory on CPU; on a GPU the
 device's peak allocation), so runs are interleaved A B A B over `--reps` repetitions with the
