@@ -201,7 +201,28 @@ RANDOM_MODELS = {
 }
 
 
+# The real configurations in configs/models (SmolLM2-135M, Llama-3.2-1B, Llama-3.1-8B), by file
+# stem: random weights of the real shapes, drawn at load (speed and memory don't depend on values).
+CONFIG_MODELS = {p.stem: p for p in sorted((ROOT / "configs" / "models").glob("*.json"))}
+
+
+def random_model_config(name: str, *, num_layers: int | None = None):
+  """The `LlamaConfig` of a random-weight model: a `RANDOM_MODELS` name or a `CONFIG_MODELS` stem,
+  with `num_layers` decoder layers instead of the config's where given."""
+  from jaxsft.models import from_hf_config
+
+  if name in RANDOM_MODELS:
+    config = RANDOM_MODELS[name]()
+  elif name in CONFIG_MODELS:
+    config = from_hf_config(json.loads(CONFIG_MODELS[name].read_text()))
+  else:
+    raise ValueError(f"no random-weight model {name!r}: use one of {sorted(RANDOM_MODELS) + sorted(CONFIG_MODELS)}")
+  return dataclasses.replace(config, num_layers=num_layers) if num_layers else config
+
+
 def describe_model(name: str) -> str:
+  if name in CONFIG_MODELS:
+    return f"`{name}`: random weights, the real configuration `configs/models/{name}.json`"
   if name in RANDOM_MODELS:
     c = RANDOM_MODELS[name]()
     return (f"`{name}`: random weights, SmolLM2-135M-Instruct's shapes but {c.num_layers} layers "
@@ -246,14 +267,15 @@ def dataset_records(name: str, *, limit: int | None, seed: int = 0):
 
 
 # --------------------------------------------------------------------------- jaxsft's train step
-def train_config(*, lr: float = 1e-3, max_grad_norm: float = 1.0):
-  """The trainer's config for the benchmarks: LoRA r 8 / alpha 16 on q_proj, v_proj, no dropout;
+def train_config(*, lr: float = 1e-3, max_grad_norm: float = 1.0, lora_r: int = 8, lora_alpha: float = 16.0,
+                 lora_targets: Sequence[str] = ("q_proj", "v_proj")):
+  """The trainer's config for the benchmarks: LoRA (default r 8 / alpha 16 on q_proj, v_proj), no dropout;
   AdamW (b1 0.9, b2 0.999, eps 1e-8, no weight decay) at a constant `lr` after clipping the global
   gradient norm to `max_grad_norm`."""
   from jaxsft import config as config_lib
 
   cfg = config_lib.TrainConfig()
-  cfg.lora = config_lib.LoraConfig(r=8, alpha=16.0, dropout=0.0, target_modules=("q_proj", "v_proj"))
+  cfg.lora = config_lib.LoraConfig(r=lora_r, alpha=float(lora_alpha), dropout=0.0, target_modules=tuple(lora_targets))
   cfg.optim = config_lib.OptimConfig(lr=lr, weight_decay=0.0, schedule="constant", warmup_steps=0,
                                      max_grad_norm=max_grad_norm)
   return cfg

