@@ -18,7 +18,10 @@ A tracker is three calls, `scalars(step, values)`, `text(tag, text, step)` and `
   killed run logged past its last checkpoint are not shown twice.
 - `WandB`: `wandb.init` (online or offline, files under RUN_DIR/wandb; the run id is kept in
   RUN_DIR/wandb_run_id so a resumed run continues the same W&B run), `wandb.log(..., step=)`,
-  the config, and the adapter folder as a model artifact when online.
+  the config, and the adapter folder as a model artifact when online. W&B has no purge: it
+  drops a step below the run's current one, so after a kill the steps the resumed run redoes
+  keep the killed run's values there until the run passes them (TensorBoard and metrics.jsonl
+  hold the redone ones).
 
 A tracker that cannot start (a missing package, no network) is one warning line and the run
 goes on without it; one that fails later is dropped with one warning.
