@@ -154,7 +154,7 @@ def utilization(flops: float, seconds: float, peak_per_device: float | None, dev
   achieved = flops / max(seconds, 1e-9)
   out = {"flops_per_s": float(f"{achieved:.4g}")}
   if peak_per_device:
-    out["mfu"] = round(achieved / (peak_per_device * devices), 5)
+    out["mfu"] = float(f"{achieved / (peak_per_device * devices):.4g}")
   return out
 
 
@@ -169,5 +169,5 @@ def mean_utilization(records: Sequence[dict]) -> dict:
   out = {"model_flops_per_step": round(flops / len(steps)), "flops_per_s": float(f"{flops / max(seconds, 1e-9):.4g}")}
   mfus = [(r["mfu"], r["seconds"]) for r in steps.values() if r.get("mfu") is not None]
   if len(mfus) == len(steps):
-    out["mfu"] = round(sum(m * s for m, s in mfus) / max(seconds, 1e-9), 5)
+    out["mfu"] = float(f"{sum(m * s for m, s in mfus) / max(seconds, 1e-9):.4g}")
   return out

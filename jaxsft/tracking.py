@@ -34,6 +34,7 @@ import logging
 import math
 import os
 import pathlib
+import secrets
 import sys
 from typing import Protocol
 
@@ -126,7 +127,7 @@ class WandB:
 
     self.wandb, self.mode = wandb, mode
     id_file = run_dir / "wandb_run_id"
-    run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+    run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)  # W&B ids: [a-z0-9]
     # console="off": W&B must not wrap stdout/stderr (stdout holds only the closing summary).
     self.run = wandb.init(project=project, name=run_dir.name, id=run_id, resume="allow", mode=mode,
                           dir=str(run_dir), config=config,

@@ -437,10 +437,12 @@ def setup(cfg: config_lib.TrainConfig) -> tuple[Run, RunState]:
 def resolve_peak_flops(cfg: config_lib.TrainConfig) -> float | None:
   """Peak FLOP/s of one device: the user's `logging.peak_flops`, else the table's for this
   device and compute dtype, else None (MFU is then not logged, FLOP/s are)."""
+  from jaxsft.models.llama import resolve_dtype
+
   if cfg.logging.peak_flops:
     return cfg.logging.peak_flops
   kind = jax.devices()[0].device_kind
-  found = flops_lib.peak_flops(kind, str(models.resolve_dtype(cfg.model.dtype)))
+  found = flops_lib.peak_flops(kind, str(resolve_dtype(cfg.model.dtype)))
   if found is None:
     log.info("no known peak FLOP/s for %r: logging achieved FLOP/s, no MFU (--peak-flops sets one)", kind)
     return None

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from hide_torch import PRELUDE
 from test_train import ROOT, base_args, run_cli, small_data, tiny_dir  # noqa: F401 (fixtures)
 
 from jaxsft import tracking
@@ -79,8 +80,8 @@ def test_event_files_equal_metrics_and_a_killed_run_resumes_without_repeating_a_
   assert max(s for s, _ in before["train/loss"]) > restored  # the killed run logged steps the resume redid
   assert len(glob.glob(str(run / "tensorboard" / "events.out.tfevents.*"))) == 2  # one file per process
   scalars, texts = assert_events_equal_metrics(run, 12, extra=("mfu",))
-  for step, mfu in scalars["train/mfu"]:  # MFU against the given peak: FLOP/s over 1e12
-    assert mfu == pytest.approx(dict(scalars["train/flops_per_s"])[step] / 1e12, rel=1e-3)
+  for step, mfu in scalars["train/mfu"]:  # MFU against the given peak: FLOP/s over 1e12 (4 digits each)
+    assert mfu == pytest.approx(dict(scalars["train/flops_per_s"])[step] / 1e12, rel=2e-3)
   assert {"doctor/text_summary", "samples/text_summary"} <= set(texts)
   summary = json.loads((run / "summary.json").read_text())
   assert summary["flops_per_s"] > 0 and 0 < summary["mfu"] and summary["model_flops_per_step"] > 0
@@ -90,10 +91,9 @@ def test_stdout_holds_the_summary_alone_and_a_missing_wandb_is_one_warning(tiny_
   """`python -m jaxsft.train ... > out.txt`: the summary in out.txt, logs on stderr. W&B asked for
   but not installed: one warning line and a normal run."""
   run = tmp_path / "run"
-  hide_wandb = ("import sys\nclass _NoWandb:\n  def find_spec(self, name, path=None, target=None):\n"
-                "    if name.split('.')[0] == 'wandb':\n      raise ModuleNotFoundError(name)\n"
-                "sys.meta_path.insert(0, _NoWandb())\nimport runpy\n"
-                "runpy.run_module('jaxsft.train', run_name='__main__')\n")
+  # wandb neither found (transformers asks importlib) nor importable, as when it is not installed
+  hide_wandb = PRELUDE.replace('"torch"', '"wandb"').replace('"torch."', '"wandb."') + (
+      "import runpy\nrunpy.run_module('jaxsft.train', run_name='__main__')\n")
   out, err = tmp_path / "out.txt", tmp_path / "err.txt"
   with open(out, "w") as stdout, open(err, "w") as stderr:
     r = subprocess.run([sys.executable, "-c", hide_wandb,
@@ -138,7 +138,8 @@ def wandb_history(run_dir) -> dict[int, dict]:
       record = wandb_internal_pb2.Record()
       record.ParseFromString(pending)
       if record.WhichOneof("record_type") == "history":
-        items = {item.key: json.loads(item.value_json) for item in record.history.item}
+        # a key with a "/" may come as its parts (`nested_key`)
+        items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
         rows.setdefault(record.history.step.num, {}).update(items)
   return rows
 
@@ -149,8 +150,9 @@ def test_wandb_offline_run_holds_the_losses_and_json_quiet_prints_one_object(tin
   run = tmp_path / "run"
   level = logging.getLogger("jaxsft").level
   try:
-    code = main(base_args(tiny_dir, small_data, run, "max_steps=4", "eval.eval_every=2", "eval.generate=false",
-                          "logging.wandb=true", "logging.wandb_mode=offline", "--json", "--quiet"))
+    code = main([str(a) for a in base_args(tiny_dir, small_data, run, "max_steps=4", "eval.eval_every=2",
+                                           "eval.generate=false", "logging.wandb=true", "logging.wandb_mode=offline",
+                                           "--json", "--quiet")])
   finally:
     logging.getLogger("jaxsft").setLevel(level)
   out, err = capfd.readouterr()
