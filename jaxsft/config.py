@@ -129,6 +129,28 @@ class EvalConfig:
 
 
 @dataclasses.dataclass
+class LoggingConfig:
+  tensorboard: bool = True
+  """TensorBoard event files in output_dir/tensorboard: every step's metrics.jsonl scalars (loss, lr,
+  grad norm, tokens, throughput, MFU), validation losses, the config and the doctor's verdict as
+  text. `tensorboard --logdir runs/` shows every run under runs/ side by side."""
+  wandb: bool = False
+  """Log the same to Weights & Biases (pip install 'jaxsft[wandb]'); a missing package or a failed
+  start is one warning line and the run goes on."""
+  wandb_project: str = "jaxsft"
+  """The W&B project; the run is named after output_dir's folder."""
+  wandb_mode: str = "online"
+  """online | offline (a local run under output_dir/wandb, uploaded later by `wandb sync`)."""
+  peak_flops: float | None = None
+  """Peak FLOP/s of one device, the denominator of MFU; None: from jaxsft.flops.PEAK_FLOPS by the
+  device and dtype (none for a CPU: achieved FLOP/s only)."""
+  json: bool = False
+  """Print the closing summary on stdout as one JSON object (summary.json's) instead of text."""
+  quiet: bool = False
+  """Errors only on stderr: no progress bar, no log lines, no text summary (--json still prints)."""
+
+
+@dataclasses.dataclass
 class TrainConfig:
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
@@ -136,6 +158,7 @@ class TrainConfig:
   optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
   eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+  logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
   mode: str = "lora"
   """lora: train LoRA adapters (the `lora` section) and write a PEFT adapter; full: train the model's
   own weights (every param, or the ones `trainable` matches) and write the whole tuned model in
@@ -177,6 +200,9 @@ ALIASES = {
     "max-length": "data.max_length",
     "grad-accum": "optim.grad_accum",
     "dtype": "model.dtype",
+    "peak-flops": "logging.peak_flops",
+    "json": "logging.json",
+    "quiet": "logging.quiet",
 }
 CHOICES = {
     "mode": ("lora", "full"),
@@ -188,6 +214,7 @@ CHOICES = {
     "data.on_error": ON_ERROR,
     "data.format": ("auto",) + FORMATS,
     "optim.schedule": ("cosine", "linear", "constant"),
+    "logging.wandb_mode": ("online", "offline"),
 }
 
 

@@ -67,10 +67,12 @@ def base_of(model):
   return nnx.merge(graphdef, jax.tree.map(jax.numpy.zeros_like, lora), rest)
 
 
-def compare_base_and_tuned(model, tokenizer, records: Sequence[dict], cfg, base=None) -> dict[str, Any]:
+def compare_base_and_tuned(model, tokenizer, records: Sequence[dict], cfg, base=None,
+                           show: bool = True) -> dict[str, Any]:
   """Generate with base and tuned on the first `num_prompts` held-out records; loss and score.
 
-  `base`: the untuned model (full fine-tuning); None: `model` with its LoRA zeroed.
+  `base`: the untuned model (full fine-tuning); None: `model` with its LoRA zeroed. `show`:
+  print the comparison on stderr.
   """
   from jaxsft.generate import generate
 
@@ -85,7 +87,8 @@ def compare_base_and_tuned(model, tokenizer, records: Sequence[dict], cfg, base=
       {"prompt": p[-1]["content"][:300], "reference": reference_reply(r), "base": b, "tuned": t}
       for p, r, b, t in zip(prompts, records, out["base"]["generations"], out["tuned"]["generations"])
   ][:5]
-  print(format_comparison(out), file=sys.stderr)
+  if show:
+    print(format_comparison(out), file=sys.stderr)
   return out
 
 

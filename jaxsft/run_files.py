@@ -314,6 +314,7 @@ class RunFiles:
     self.metrics = self.dir / "metrics.jsonl"
     self.checkpoints = self.dir / "checkpoints"
     self.adapter = self.dir / "adapter"
+    self.sinks: list[Callable[[dict], None]] = []  # also fed every logged record (`jaxsft.tracking`)
 
   def holds_a_run(self) -> bool:
     return self.checkpoints.exists() or self.metrics.exists()
@@ -350,10 +351,13 @@ class RunFiles:
       write_text(self.dir / name, text)
 
   def log(self, record: dict) -> None:
-    """Appends one metrics line (a line is written whole or, on a crash, is the last and cut)."""
+    """Appends one metrics line (a line is written whole or, on a crash, is the last and cut),
+    then hands the record to each sink."""
     if self.writer:
       with open(self.metrics, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
+      for sink in self.sinks:
+        sink(record)
 
   def truncate_metrics(self, last_step: int) -> None:
     """On resume: drop metric lines from steps after the checkpoint (they will be redone) and
@@ -431,6 +435,11 @@ def _metric_lines(path: pathlib.Path) -> Iterator[tuple[str, dict]]:
       if not isinstance(obj, dict):
         raise MetricsError(f"{where}: expected a JSON object, got {type(obj).__name__}")
       yield where, obj
+
+
+def read_records(run_dir_or_file: str | os.PathLike) -> list[dict]:
+  """Every line of RUN_DIR/metrics.jsonl (or the file itself) as a dict, in order."""
+  return [obj for _, obj in _metric_lines(metrics_path(run_dir_or_file))]
 
 
 def read_metrics(run_dir_or_file: str | os.PathLike) -> MetricsLog:

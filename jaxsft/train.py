@@ -33,12 +33,14 @@ from jaxsft import collation as collation_lib
 from jaxsft import config as config_lib
 from jaxsft import data as data_lib
 from jaxsft import errors
+from jaxsft import flops as flops_lib
 from jaxsft import lora as lora_lib
 from jaxsft import models
 from jaxsft import run_files
 from jaxsft import sharding as sharding_lib
 from jaxsft import step as step_lib
 from jaxsft.errors import JaxsftError
+from jaxsft import tracking
 from jaxsft.run_files import RunFiles
 
 log = logging.getLogger("jaxsft.train")
@@ -409,6 +411,9 @@ class Run:
   warmup_seconds: float = 0.0
   step_seconds: float = 0.0  # Σ of the steps' `seconds` this process ran
   collation: dict = dataclasses.field(default_factory=dict)  # summary.json's "collation"
+  flop_count: flops_lib.StepFlops | None = None  # model FLOPs of a step, from its shapes
+  peak_flops: float | None = None  # per device: the denominator of MFU (None: FLOP/s only)
+  trackers: tracking.Trackers = dataclasses.field(default_factory=lambda: tracking.Trackers({}))
 
 
 def param_paths(model) -> list[str]:
@@ -466,6 +471,7 @@ def _setup(cfg: config_lib.TrainConfig, files: RunFiles, t_start: float) -> tupl
   if cfg.mode == "lora":
     lora_lib.apply_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                         target_modules=cfg.lora.target_modules, rslora=cfg.lora.rslora, seed=cfg.seed)
+  flop_count = flops_lib.StepFlops.from_model(model, trainable_filter(cfg))
   # `lora` is the trainable state (the LoRA factors, or the model's own params in full mode).
   graphdef, lora, frozen = nnx.split(model, trainable_filter(cfg), ...)
   n_lora = sum(x.size for x in jax.tree.leaves(lora))
@@ -492,7 +498,8 @@ def _setup(cfg: config_lib.TrainConfig, files: RunFiles, t_start: float) -> tupl
   else:
     steps, opt_state = build_steps(cfg, graphdef, lora, frozen, mesh, total_steps)
   run = Run(cfg, files, mesh, tokenizer, data, graphdef, frozen, steps, total_steps, steps_per_epoch,
-            Checkpoints(files, cfg.keep_checkpoints), t_start, probe_seconds=probes[0][4] if probes else 0.0)
+            Checkpoints(files, cfg.keep_checkpoints), t_start, probe_seconds=probes[0][4] if probes else 0.0,
+            flop_count=flop_count, peak_flops=resolve_peak_flops(cfg))
   warm_up(run, n_lora)
   return run, RunState(lora=lora, opt_state=opt_state)
 
@@ -533,6 +540,20 @@ def probe_step_cost(cfg: config_lib.TrainConfig, graphdef, lora, frozen, mesh, w
            cost.a, cost.b, cost.c, cost.compile_base, cost.compile_per_width, time.time() - t0)
   out.append((steps, opt_state, cost, length, time.time() - t0))
   return cost
+def resolve_peak_flops(cfg: config_lib.TrainConfig) -> float | None:
+  """Peak FLOP/s of one device: the user's `logging.peak_flops`, else the table's for this
+  device and compute dtype, else None (MFU is then not logged, FLOP/s are)."""
+  from jaxsft.models.llama import resolve_dtype
+
+  if cfg.logging.peak_flops:
+    return cfg.logging.peak_flops
+  kind = jax.devices()[0].device_kind
+  found = flops_lib.peak_flops(kind, str(resolve_dtype(cfg.model.dtype)))
+  if found is None:
+    log.info("no known peak FLOP/s for %r: logging achieved FLOP/s, no MFU (--peak-flops sets one)", kind)
+    return None
+  log.info("MFU against the %s peak, %.0f TFLOP/s per device", found[0], found[1] / 1e12)
+  return found[1]
 
 
 def warm_up(run: Run, n_lora: int) -> None:
@@ -594,6 +615,10 @@ def start_or_resume(run: Run, fresh: RunState):
     restored_iterator[:] = [iterator]
 
   state = run.checkpoints.restore_newest(fresh, restore_data_position) if cfg.resume else None
+  resumed_at = None if state is None else state.step
+  if run.files.writer:
+    run.trackers = tracking.open_trackers(cfg.logging, run.files.dir, resumed_at=resumed_at, config=config_lib.to_dict(cfg))
+    run.files.sinks.append(run.trackers.log)
   if state is not None:
     run.files.truncate_metrics(state.step)
     if state.data_stats:  # the run's data counts go on from the checkpoint's, not from zero
@@ -607,6 +632,7 @@ def start_or_resume(run: Run, fresh: RunState):
       log.info("--resume: no checkpoint in %s, starting fresh", run.files.checkpoints)
     state = fresh
     run.files.log(run.config_line)
+    run.trackers.text("config", tracking.config_markdown(config_lib.to_dict(cfg)), 0)
   run.files.write_json("config.json", config_lib.to_dict(cfg))
   run.files.write_json("heldout.json", run.data.val_records)
   return state, restored_iterator[0] if state is not fresh else batches()
@@ -651,7 +677,7 @@ def train_step(run: Run, state: RunState, batches: DevicePrefetch) -> dict | Non
   waits for the device, so the host fetches the next batch while the step runs.
   """
   t_step = time.time()
-  wait, tokens, real, epochs_seen, micro = 0.0, 0, 0, [], []
+  wait, tokens, real, epochs_seen, micro, shapes = 0.0, 0, 0, [], [], []
   for _ in range(run.cfg.optim.grad_accum):
     t_wait = time.time()
     try:
@@ -662,6 +688,7 @@ def train_step(run: Run, state: RunState, batches: DevicePrefetch) -> dict | Non
     state.data_stats = host.get("data_stats", state.data_stats)
     micro.append(batch)
     tokens += host["shape"][0] * host["shape"][1]
+    shapes.append(host["shape"])
     real += host["real_tokens"]
     epochs_seen.append(host["epoch"])
   if not epochs_seen:
@@ -676,7 +703,7 @@ def train_step(run: Run, state: RunState, batches: DevicePrefetch) -> dict | Non
     state.lora, state.opt_state, out = run.steps.apply(state.lora, state.opt_state, acc)
   state.step += 1
   return {"step": state.step, "tokens": tokens, "real_tokens": real, "data_wait_s": round(wait, 4),
-          "epoch": epochs_seen[-1], "device_out": out, "dispatched_at": t_step}
+          "epoch": epochs_seen[-1], "device_out": out, "dispatched_at": t_step, "shapes": shapes}
 
 
 def finish_record(run: Run, record: dict, since: float) -> float:
@@ -687,7 +714,7 @@ def finish_record(run: Run, record: dict, since: float) -> float:
   was later: after a validation or a checkpoint) to now, so with steps in flight back to back
   the seconds add up to the wall time.
   """
-  out, dispatched_at = record.pop("device_out"), record.pop("dispatched_at")
+  out, dispatched_at, shapes = record.pop("device_out"), record.pop("dispatched_at"), record.pop("shapes")
   out = {k: np.asarray(v) for k, v in jax.device_get(out).items()}
   done = time.time()
   tokens, real = record["tokens"], record["real_tokens"]
@@ -704,6 +731,11 @@ def finish_record(run: Run, record: dict, since: float) -> float:
       "compiles": run.steps.recompiles, "seconds": round(seconds, 4),
       "elapsed_s": round(done - run.t_start, 2), "finite": bool(out["finite"]), "nll": float(out["nll"]),
   })
+  if run.flop_count is not None:
+    # Every process ran the same (B, T) shapes on its rows of the global batch.
+    flops = run.flop_count.step(shapes, valid) + (jax.process_count() - 1) * sum(run.flop_count.layers(*s) for s in shapes)
+    record["flops"] = flops
+    record.update(flops_lib.utilization(flops, seconds, run.peak_flops, jax.device_count()))
   return done
 
 
@@ -913,6 +945,13 @@ def train(cfg: config_lib.TrainConfig) -> RunResult:
 
 def _train(run: Run, state: RunState) -> RunResult:
   state, iterator = start_or_resume(run, state)
+  try:
+    return train_and_finish(run, state, iterator)
+  finally:
+    run.trackers.close()
+
+
+def train_and_finish(run: Run, state: RunState, iterator) -> RunResult:
   batches = DevicePrefetch(iterator, run.mesh.put_batch, stats=run.data.stats)
   try:
     stopped_early = run_loop(run, state, batches)
@@ -934,7 +973,7 @@ def _train(run: Run, state: RunState) -> RunResult:
 
 def finish(run: Run, result: RunResult, model) -> None:
   """Loss curve, doctor, tuned-vs-base evaluation, summary."""
-  from jaxsft import doctor, plot
+  from jaxsft import doctor, plot, run_files
 
   cfg, files = run.cfg, run.files
   try:
@@ -949,7 +988,8 @@ def finish(run: Run, result: RunResult, model) -> None:
     base = None
     if cfg.mode == "full":  # the base is the model as loaded, before any update
       base = models.load_causal_lm(cfg.model.name, dtype=str(model.dtype))
-    result.evaluation = evaluate.compare_base_and_tuned(model, run.tokenizer, run.data.val_records, cfg, base=base)
+    result.evaluation = evaluate.compare_base_and_tuned(model, run.tokenizer, run.data.val_records, cfg, base=base,
+                                                       show=not cfg.logging.quiet)
     files.write_json("evaluation.json", result.evaluation)
   summary = {
       "steps": result.steps, "final_loss": result.final_loss, "first_val_loss": result.first_val_loss,
@@ -964,8 +1004,16 @@ def finish(run: Run, result: RunResult, model) -> None:
       summary[f"task_score_{name}"] = result.evaluation[name]["score"]
       if "format_rate" in result.evaluation[name]:
         summary[f"format_rate_{name}"] = result.evaluation[name]["format_rate"]
+  summary.update(flops_lib.mean_utilization(run_files.read_records(files.metrics)))
   files.write_json("summary.json", summary)
-  print(summary_text(files, summary, result), file=sys.stderr)
+  for tag, text in tracking.run_report_markdown(result.diagnosis.report(), result.evaluation).items():
+    run.trackers.text(tag, text, result.steps)
+  run.trackers.log_adapter(files.dir / "model" if cfg.mode == "full" else files.adapter, f"{files.dir.name}-{cfg.mode}")
+  # The results on stdout (logs and the progress bar are on stderr): `... > result.txt` keeps them.
+  if cfg.logging.json:
+    print(json.dumps(summary, default=str), flush=True)
+  elif not cfg.logging.quiet:
+    print(summary_text(files, summary, result), flush=True)
 
 
 def summary_text(files: RunFiles, summary: dict, result: RunResult) -> str:
@@ -978,6 +1026,9 @@ def summary_text(files: RunFiles, summary: dict, result: RunResult) -> str:
     lines.append(f"task score: base {summary['task_score_base']:.3f} → tuned {summary['task_score_tuned']:.3f}")
     if "format_rate_tuned" in summary:
       lines.append(f"answer format: base {summary['format_rate_base']:.3f} → tuned {summary['format_rate_tuned']:.3f}")
+  if "flops_per_s" in summary:
+    mfu = f", MFU {100 * summary['mfu']:.1f}%" if "mfu" in summary else ""
+    lines.append(f"throughput: {summary['flops_per_s'] / 1e9:.1f} GFLOP/s (model FLOPs){mfu}")
   lines.append(result.diagnosis.report())
   tuned = files.dir / "model" if (files.dir / "model").is_dir() else files.adapter
   kind = "tuned model (HF format)" if tuned != files.adapter else "adapter (PEFT format)"
@@ -1042,7 +1093,15 @@ def main(argv: list[str] | None = None) -> int:
 
   quiet.silence_library_noise()
   _log_to_stderr()
-  return errors.run_cli(lambda: train(config_lib.parse_args(argv)) and None)
+
+  def run() -> None:
+    cfg = config_lib.parse_args(argv)
+    if cfg.logging.quiet:  # errors only
+      cfg.progress = False
+      logging.getLogger("jaxsft").setLevel(logging.ERROR)
+    train(cfg)
+
+  return errors.run_cli(run)
 
 
 if __name__ == "__main__":

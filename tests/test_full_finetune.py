@@ -20,7 +20,7 @@ def test_full_fine_tuning_trains_every_weight_and_writes_an_hf_model(tiny_dir, s
   r = run_cli(base_args(tiny_dir, small_data, out, "--mode", "full", "--lr", "1e-3", "max_steps=6",
                         "save_every=3", "eval.eval_every=3", "eval.num_prompts=2", "eval.max_new_tokens=2"))
   assert r.returncode == 0, r.stdout + r.stderr
-  assert "trainable model params" in r.stderr and "python -m jaxsft.chat" in r.stderr
+  assert "trainable model params" in r.stderr and "python -m jaxsft.chat" in r.stdout  # the summary is on stdout
   assert "PyTorch was not found" not in r.stderr  # torch is hidden: transformers' advice is silenced
   train, val, _ = read_metrics(out)
   assert [l["step"] for l in train] == list(range(1, 7)) and val[-1]["val_loss"] < val[0]["val_loss"]

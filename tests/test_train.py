@@ -79,7 +79,7 @@ def test_cli_end_to_end_on_a_tiny_model(tiny_dir, small_data, tmp_path):
   assert "task_score_base" in summary and "task_score_tuned" in summary
   adapter_config = json.loads((out / "adapter/adapter_config.json").read_text())
   assert adapter_config["peft_type"] == "LORA" and adapter_config["r"] == 16  # the embedded default (configs/default.yaml)
-  assert "loss curve:" in r.stderr and "task score" in r.stderr
+  assert "loss curve:" in r.stdout and "task score" in r.stdout  # the closing summary is on stdout
   # A second run into the same folder without --resume is refused, and nothing is touched.
   before = (out / "metrics.jsonl").read_text()
   again = run_cli(base_args(tiny_dir, small_data, out, "max_steps=8"))
