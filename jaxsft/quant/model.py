@@ -1,0 +1,115 @@
+"""A `CausalLM` whose frozen projection kernels are stored block-quantized (QLoRA).
+
+Each decoder projection (`jaxsft.models.llama.Linear`) keeps its stacked kernel (L, in, out)
+as a `QuantizedKernel` variable holding a `QuantizedTensor`; `Linear` dequantizes it on use
+(`kernel_value`), inside the scanned and rematerialized layer body, so only one layer's float
+kernel exists at a time in the forward and in the backward pass. `QuantizedKernel` is not an
+`nnx.Param`: the trainer's `nnx.split(model, nnx.LoRAParam, ...)` puts it with the frozen
+state, and the optimizer never sees it. Embeddings, LM head, norms and biases stay in the
+compute dtype; LoRA factors stay float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxsft.quant import formats
+from jaxsft.quant.formats import QuantizedTensor
+
+QUANTIZE_CHOICES = ("none", "int8", "nf4", "int4", "gguf")
+"""`model.quantize`: none, a `jaxsft.quant.formats` format made at load time, or gguf (the
+file's own Q4_0 / Q4_1 / Q8_0 blocks)."""
+
+
+class QuantizedKernel(nnx.Variable):
+  """A frozen, block-quantized kernel (a `QuantizedTensor` value); never trained."""
+
+
+def kernel_value(variable: nnx.Variable, dtype) -> jax.Array:
+  """The kernel as a float array: dequantized (float32 math, then `dtype`) when quantized."""
+  value = variable.get_value()
+  if isinstance(value, QuantizedTensor):
+    return formats.dequantize(value, dtype)
+  return value
+
+
+def projections(model):
+  """(dotted path inside the decoder layer, `Linear`) for every projection of `model`."""
+  from jaxsft.models.llama import Linear
+
+  return [(".".join(map(str, path)), module) for path, module in nnx.iter_graph(model.layers)
+          if isinstance(module, Linear)]
+
+
+def is_quantized(model) -> bool:
+  return any(isinstance(proj.kernel, QuantizedKernel) for _, proj in projections(model))
+
+
+def set_quantized(proj, q: QuantizedTensor) -> None:
+  if tuple(q.shape) != tuple(proj.kernel.shape):
+    raise ValueError(f"quantized kernel of shape {q.shape} for a kernel of shape {tuple(proj.kernel.shape)}")
+  proj.kernel = QuantizedKernel(jax.tree.map(jnp.asarray, q))
+
+
+def quantize_model(model, format: str, block: int = 64):
+  """Quantize every projection kernel of `model` IN PLACE (`formats.quantize`); returns `model`."""
+  for path, proj in projections(model):
+    try:
+      q = formats.quantize(np.asarray(proj.kernel[...], np.float32), format, block)
+    except ValueError as e:
+      raise ValueError(f"model.quantize={format}: layers.{path}.kernel {tuple(proj.kernel.shape)}: {e}") from None
+    set_quantized(proj, q)
+  model.quantize = format
+  return model
+
+
+def dequantize_model(model):
+  """Replace every quantized kernel with its dequantized float kernel (the model's dtype),
+  IN PLACE: the base a quantized run trains on, as an ordinary model (export, merging)."""
+  for _, proj in projections(model):
+    if isinstance(proj.kernel, QuantizedKernel):
+      proj.kernel = nnx.Param(kernel_value(proj.kernel, model.dtype))
+  model.quantize = "none"
+  return model
+
+
+def load_gguf_blocks(model, gguf_path: str) -> None:
+  """Replace `model`'s projection kernels with the GGUF file's own blocks, IN PLACE.
+
+  Every layer of a projection must hold the same block type; any other type is refused
+  naming the tensor and its type (`jaxsft.quant.gguf.gguf_blocks`).
+  """
+  from gguf import GGUFReader
+
+  from jaxsft.models import loading
+  from jaxsft.quant import gguf as gguf_quant
+
+  reader = GGUFReader(str(gguf_path))
+  arch = loading._field(reader, "general.architecture")
+  by_module = {hf: name for name, hf in loading.gguf_layer_names(arch).items()}
+  tensors = {t.name: t for t in reader.tensors}
+  cfg = model.config
+  for path, proj in projections(model):
+    name = by_module[path]
+    row_map = None
+    if arch in loading.GGUF_PERMUTED_QK_ARCHS and name in ("attn_q", "attn_k"):
+      heads = cfg.num_heads if name == "attn_q" else cfg.num_kv_heads
+      row_map = lambda x, heads=heads: loading.unpermute_qk(x, heads)  # noqa: E731
+    try:
+      layers = [gguf_quant.gguf_blocks(tensors[f"blk.{i}.{name}.weight"], row_map) for i in range(cfg.num_layers)]
+    except ValueError as e:
+      raise ValueError(f"{gguf_path}: {e}") from None
+    kinds = {q.format for q in layers}
+    if len(kinds) > 1:
+      raise ValueError(f"{gguf_path}: blk.*.{name}.weight mixes block types across layers ({sorted(kinds)}); "
+                       f"model.quantize=gguf needs one per projection")
+    set_quantized(proj, gguf_quant.stack(layers))
+  model.quantize = "gguf"
+
+
+def tree_bytes(tree) -> int:
+  """Bytes of every array in `tree` as stored (quantized codes and scales included)."""
+  return int(sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
