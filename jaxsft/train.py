@@ -32,6 +32,7 @@ from jaxsft import config as config_lib
 from jaxsft import data as data_lib
 from jaxsft import lora as lora_lib
 from jaxsft import models
+from jaxsft import quant
 from jaxsft import sharding as sharding_lib
 from jaxsft import step as step_lib
 from jaxsft.run_files import RunFiles
@@ -351,6 +352,7 @@ class Run:
   t_start: float
   compiles_warmup: int = 0
   config_line: dict = dataclasses.field(default_factory=dict)  # metrics.jsonl's first line
+  param_bytes: dict = dataclasses.field(default_factory=dict)  # base_param_bytes, trainable_param_bytes
 
 
 def param_paths(model) -> list[str]:
@@ -392,10 +394,15 @@ def setup(cfg: config_lib.TrainConfig) -> tuple[Run, RunState]:
   sharding_lib.check_batch_sizes(cfg, mesh)
   sharding_lib.barrier("jaxsft: output dir checked")  # no process writes before all have looked
 
+  if cfg.model.quantize != "none" and cfg.mode == "full":
+    raise config_lib.ConfigError(f"model.quantize={cfg.model.quantize}: a quantized base is frozen, so it trains "
+                                 f"LoRA adapters only; use mode=lora or model.quantize=none with mode=full")
   log.info("loading data")
   train_records, val_records = load_data(cfg)
-  log.info("loading model %s (%s)", cfg.model.name, cfg.model.dtype)
-  model, tokenizer = models.load_model(cfg.model.name, dtype=cfg.model.dtype, remat=cfg.model.remat)
+  log.info("loading model %s (%s%s)", cfg.model.name, cfg.model.dtype,
+           "" if cfg.model.quantize == "none" else f", base quantized {cfg.model.quantize}")
+  model, tokenizer = models.load_model(cfg.model.name, dtype=cfg.model.dtype, remat=cfg.model.remat,
+                                       quantize=cfg.model.quantize, quant_block_size=cfg.model.quant_block_size)
   data = plan_data(cfg, train_records, val_records, tokenizer, mesh.batch_multiple_of)
   if cfg.mode == "lora":
     lora_lib.apply_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
@@ -403,12 +410,15 @@ def setup(cfg: config_lib.TrainConfig) -> tuple[Run, RunState]:
   # `lora` is the trainable state (the LoRA factors, or the model's own params in full mode).
   graphdef, lora, frozen = nnx.split(model, trainable_filter(cfg), ...)
   n_lora = sum(x.size for x in jax.tree.leaves(lora))
-  n_all = n_lora + sum(x.size for x in jax.tree.leaves(frozen))
+  n_all = n_lora + quant.param_count(frozen)
   if n_lora == 0:
     raise config_lib.ConfigError(f"trainable={cfg.trainable!r} matches no parameter; paths look like "
                                  f"{sorted(param_paths(model))[:6]}")
   log.info("trainable %s params: %d of %d (%.3f%%)", "LoRA" if cfg.mode == "lora" else "model", n_lora, n_all,
            100 * n_lora / max(n_all, 1))
+  param_bytes = {"base_param_bytes": quant.tree_bytes(frozen), "trainable_param_bytes": quant.tree_bytes(lora)}
+  log.info("frozen base: %.1f MB as stored (quantize=%s); trainable: %.1f MB", param_bytes["base_param_bytes"] / 1e6,
+           cfg.model.quantize, param_bytes["trainable_param_bytes"] / 1e6)
 
   steps_per_epoch = max(data.batches_per_epoch // cfg.optim.grad_accum, 1)
   # max_steps (like Hugging Face's) overrides epochs: the data repeats for as long as it takes.
@@ -422,7 +432,7 @@ def setup(cfg: config_lib.TrainConfig) -> tuple[Run, RunState]:
   opt_state = jax.jit(tx.init, out_shardings=mesh.replicated)(lora)  # follows the replicated LoRA params
   steps = step_lib.CompiledSteps(step_lib.make_step_functions(graphdef, cfg, tx, schedule), lora, opt_state, frozen, mesh)
   run = Run(cfg, files, mesh, tokenizer, data, graphdef, frozen, steps, total_steps, steps_per_epoch,
-            Checkpoints(files, cfg.keep_checkpoints), t_start)
+            Checkpoints(files, cfg.keep_checkpoints), t_start, param_bytes=param_bytes)
   warm_up(run, n_lora)
   return run, RunState(lora=lora, opt_state=opt_state)
 
@@ -438,7 +448,8 @@ def warm_up(run: Run, n_lora: int) -> None:
            counter.seconds - seconds0, len(run.data.shapes))
   run.config_line = {"event": "config", "steps_per_epoch": run.steps_per_epoch, "total_steps": run.total_steps,
                      "batch_shapes": run.data.shapes, "bucket_lengths": run.data.batching["bucket_lengths"],
-                     "warmup_compiles": run.compiles_warmup, "warmup_seconds": round(seconds, 2), "lora_params": n_lora}
+                     "warmup_compiles": run.compiles_warmup, "warmup_seconds": round(seconds, 2), "lora_params": n_lora,
+                     **run.param_bytes}
 
 
 def start_or_resume(run: Run, fresh: RunState):
@@ -758,7 +769,7 @@ def finish(run: Run, result: RunResult, model) -> None:
       "steps": result.steps, "final_loss": result.final_loss, "first_val_loss": result.first_val_loss,
       "val_loss": result.val_loss, "warmup_compiles": result.compiles_warmup, "recompiles": result.recompiles,
       "stopped_early": result.stopped_early, "diagnosis": result.diagnosis.pattern,
-      "data": run.data.stats.summary(), "seconds": round(time.time() - run.t_start, 1),
+      "data": run.data.stats.summary(), "seconds": round(time.time() - run.t_start, 1), **run.param_bytes,
   }
   if result.evaluation:
     for name in ("base", "tuned"):

@@ -223,3 +223,45 @@ def test_gguf_quantize_needs_a_gguf_file_and_a_known_format(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps(llama.to_hf_config(TINY)))
   with pytest.raises(ValueError, match="is not a .gguf file"):
     loading.load_causal_lm(str(tmp_path), quantize="gguf")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, tokenizer):
+  from tiny_model import make_tiny_model_dir
+
+  return make_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model", tokenizer)
+
+
+def test_nf4_run_trains_resumes_and_reports_the_base_bytes(tiny_dir, tmp_path, monkeypatch):
+  from jaxsft.data import synthetic
+  from jaxsft.train import main
+
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  data = synthetic.write_jsonl(synthetic.make_dataset(64, seed=1), tmp_path / "tasks.jsonl")
+  out = tmp_path / "run"
+  args = ["--model", str(tiny_dir), "--data", str(data), "--output-dir", str(out), "--lr", "2e-3",
+          "--model.quantize", "nf4", "data.num_buckets=1", "data.batch_size=8", "data.tokens_per_batch=none",
+          "data.max_val_examples=8", "eval.generate=false", "eval.eval_every=0", "save_every=2", "--no-progress"]
+  assert main([*args, "max_steps=2"]) == 0
+  assert main([*args, "max_steps=4", "--resume"]) == 0
+  lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+  steps = [line["step"] for line in lines if "loss" in line]
+  assert steps == [1, 2, 3, 4] and all(np.isfinite(line["loss"]) for line in lines if "loss" in line)
+  summary = json.loads((out / "summary.json").read_text())
+  config = next(line for line in lines if line.get("event") == "config")
+  # embeddings (49,152 × 64) and norms in float32, the 2 layers' 7 kernels at 4 bits + a float32 scale per 64
+  embed_bytes = TINY.vocab_size * TINY.hidden_size * 4
+  kernels = TINY.num_layers * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128)
+  norms = (2 * TINY.num_layers + 1) * 64 * 4
+  assert summary["base_param_bytes"] == config["base_param_bytes"] == embed_bytes + norms + kernels // 2 + kernels // 64 * 4
+  r = 16  # the embedded default: rank 16 on all seven projections, (in + out) · r float32 each
+  in_plus_out = (64 + 64) + 2 * (64 + 32) + (64 + 64) + 3 * (64 + 128)
+  assert summary["trainable_param_bytes"] == TINY.num_layers * 4 * r * in_plus_out
+
+
+def test_full_mode_with_a_quantized_base_is_refused(tiny_dir, tmp_path, capsys):
+  from jaxsft.train import main
+
+  out = tmp_path / "never"
+  assert main(["--model", str(tiny_dir), "--output-dir", str(out), "--model.quantize", "int8", "mode=full"]) == 2
+  assert "model.quantize=int8" in capsys.readouterr().err and not out.exists()

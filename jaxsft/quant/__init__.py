@@ -2,8 +2,9 @@
 
 from jaxsft.quant.formats import FORMATS, NF4_CODE, QuantizedTensor, dequantize, quantize
 from jaxsft.quant.model import (QUANTIZE_CHOICES, QuantizedKernel, dequantize_model, is_quantized,
-                                kernel_value, load_gguf_blocks, quantize_model, tree_bytes)
+                                kernel_value, load_gguf_blocks, param_count, quantize_model,
+                                tree_bytes)
 
 __all__ = ["FORMATS", "NF4_CODE", "QUANTIZE_CHOICES", "QuantizedKernel", "QuantizedTensor", "dequantize",
-           "dequantize_model", "is_quantized", "kernel_value", "load_gguf_blocks", "quantize", "quantize_model",
+           "dequantize_model", "is_quantized", "kernel_value", "load_gguf_blocks", "param_count", "quantize", "quantize_model",
            "tree_bytes"]

@@ -110,6 +110,12 @@ def load_gguf_blocks(model, gguf_path: str) -> None:
   model.quantize = "gguf"
 
 
+def param_count(tree) -> int:
+  """Weights in `tree`, a quantized kernel counted by its logical (L, in, out) size."""
+  leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, QuantizedTensor))
+  return int(sum(int(np.prod(x.shape)) for x in leaves))
+
+
 def tree_bytes(tree) -> int:
   """Bytes of every array in `tree` as stored (quantized codes and scales included)."""
   return int(sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
