@@ -265,3 +265,22 @@ def test_full_mode_with_a_quantized_base_is_refused(tiny_dir, tmp_path, capsys):
   out = tmp_path / "never"
   assert main(["--model", str(tiny_dir), "--output-dir", str(out), "--model.quantize", "int8", "mode=full"]) == 2
   assert "model.quantize=int8" in capsys.readouterr().err and not out.exists()
+
+
+def test_export_writes_the_base_a_quantized_run_sees(tiny_dir, tmp_path):
+  from safetensors.numpy import load_file
+
+  from jaxsft import export
+
+  out = tmp_path / "nf4-base"
+  assert export.main(["--model", str(tiny_dir), "--quantize", "nf4", "--out", str(out)]) == 0
+  written = load_file(str(out / "model.safetensors"))
+  original = load_file(str(tiny_dir / "model.safetensors"))
+  assert sorted(written) == sorted(original)
+  for name, value in original.items():
+    if name.endswith("proj.weight"):  # (out, in): the kernel is its transpose, blocked along in
+      expected = formats.dequantize(formats.quantize(value.T, "nf4", 64), np.float32, xp=np).T
+      np.testing.assert_array_equal(written[name], expected, err_msg=name)
+      assert not np.array_equal(written[name], value)
+    else:  # embeddings and norms are not quantized
+      np.testing.assert_array_equal(written[name], value, err_msg=name)
