@@ -284,3 +284,30 @@ def test_export_writes_the_base_a_quantized_run_sees(tiny_dir, tmp_path):
       assert not np.array_equal(written[name], value)
     else:  # embeddings and norms are not quantized
       np.testing.assert_array_equal(written[name], value, err_msg=name)
+
+
+@pytest.mark.slow
+def test_real_smollm2_gguf_blocks_and_nf4_equal_their_dequantized_float_path():
+  """The real SmolLM2: its GGUF Q4_1 blocks dequantize to exactly the weights the plain loader
+  reads (gguf's own dequantization), and the loss and LoRA gradients of the gguf and nf4 bases
+  equal those of the float32 path on the dequantized weights."""
+  plain = loading.load_causal_lm("smollm2-135m-instruct", dtype="float32")
+  rng = np.random.default_rng(6)
+  input_ids = jnp.asarray(rng.integers(3, 49152, (1, 32)), jnp.int32)
+  labels = input_ids.at[:, :8].set(-100)
+  for fmt in ("gguf", "nf4"):
+    model = loading.load_causal_lm("smollm2-135m-instruct", dtype="float32", quantize=fmt)
+    if fmt == "gguf":
+      for (path, p), (_, q) in zip(quant.model.projections(plain), quant.model.projections(model)):
+        assert q.kernel.get_value().format == "q4_1"
+        np.testing.assert_array_equal(np.asarray(quant.kernel_value(q.kernel, jnp.float32)), np.asarray(p.kernel[...]),
+                                      err_msg=path)
+    _with_random_lora(model)
+    dequantized = quant.dequantize_model(copy.deepcopy(model))
+    with jax.default_matmul_precision("highest"):
+      loss_q, grads_q = _loss_and_lora_grads(model, input_ids, labels)
+      loss_f, grads_f = _loss_and_lora_grads(dequantized, input_ids, labels)
+    np.testing.assert_allclose(float(loss_q), float(loss_f), rtol=1e-6)
+    for g_q, g_f in zip(jax.tree.leaves(grads_q), jax.tree.leaves(grads_f)):
+      g_q, g_f = np.asarray(g_q), np.asarray(g_f)
+      assert np.abs(g_q - g_f).max() <= 1e-6 * np.abs(g_f).max()

@@ -17,11 +17,11 @@ rounding: int8 s/2 = max|w|/254, int4 s/2 = max|w|/14, nf4 half the widest gap o
 book times s (0.152 · max|w|, between -1 and -0.696), q4_1 d/2.
 
 GGUF's own blocks map onto these with block 32: Q8_0 is int8 (ŵ = q · d), Q4_0 is int4
-(ŵ = (c - 8) · d) and Q4_1 is q4_1, with d and m float16 values held in float32 (`jaxsft.quant.gguf`).
+(ŵ = (c - 8) · d) and Q4_1 is q4_1, with d and m kept float16 (`jaxsft.quant.gguf`).
 
 Storage: int8 codes are int8 (..., in, out); 4-bit codes are two per byte along the input axis,
 uint8 (..., in/2, out) with row 2j in the low nibble and row 2j + 1 in the high one; scales and
-offsets are float32 (..., in/block, out). Every array keeps the leading layer axis, so
+offsets are float32 (..., in/block, out) (float16 for a GGUF's own blocks). Every array keeps the leading layer axis, so
 `jax.lax.scan` over the decoder hands each layer its own blocks and `dequantize` then
 materializes one layer's float kernel at a time.
 
@@ -146,9 +146,9 @@ def dequantize(q: QuantizedTensor, dtype=jnp.float32, xp=jnp):
       values = codes.astype(xp.float32)
   *lead, rows, out = values.shape
   blocks = values.reshape(*lead, rows // q.block, q.block, out)
-  w = blocks * q.scales[..., :, None, :]
+  w = blocks * q.scales[..., :, None, :].astype(xp.float32)  # GGUF's float16 scales widen exactly
   if q.offsets is not None:
-    w = w + q.offsets[..., :, None, :]
+    w = w + q.offsets[..., :, None, :].astype(xp.float32)
   return w.reshape(*lead, rows, out).astype(dtype)
 
 

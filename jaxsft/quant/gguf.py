@@ -7,9 +7,10 @@ ggml stores a weight (out, in) row by row, each row in blocks of 32 (`GGML_QUANT
   Q4_1: d, m (float16), 16 bytes of nibbles ŵ = c · d + m         -> format q4_1, block 32
 
 with element j of a 4-bit block in the low nibble of byte j and element j + 16 in its high
-nibble. The codes are moved into `jaxsft.quant.formats`' layout (in, out), two rows per byte,
-and d, m into float32 (exact): c · d is exact in float32 (an 11-bit mantissa times a 4-bit
-integer), so `dequantize` equals `gguf.quants.dequantize` bit for bit.
+nibble. The codes are moved into `jaxsft.quant.formats`' layout (in, out), two rows per byte;
+d and m stay float16 (5 bits a weight for Q4_1, not 6) and are widened to float32 on use, as
+gguf does: c · d is exact in float32 (an 11-bit mantissa times a 4-bit integer), so
+`dequantize` equals `gguf.quants.dequantize` bit for bit.
 
 llama.cpp's q/k row permutation (`jaxsft.models.loading.unpermute_qk`) moves whole rows, i.e.
 whole blocks, so it is undone exactly on the codes and scales.
@@ -37,14 +38,14 @@ def gguf_blocks(tensor, row_map=None) -> QuantizedTensor:
   format, block_bytes = GGUF_BLOCK_TYPES[type_name]
   cols, rows = (int(n) for n in tensor.shape[:2])  # ne[0] = in (contiguous), ne[1] = out
   raw = np.asarray(tensor.data).view(np.uint8).reshape(rows, cols // BLOCK, block_bytes)
-  d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (out, in/32)
+  d = raw[..., 0:2].copy().view(np.float16)[..., 0]  # (out, in/32)
   offsets = None
   if format == "int8":
     codes = raw[..., 2:].copy().view(np.int8).reshape(rows, cols)
   else:
     start = 4 if format == "q4_1" else 2
     if format == "q4_1":
-      offsets = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+      offsets = raw[..., 2:4].copy().view(np.float16)[..., 0]
     nibbles = raw[..., start:]
     codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, cols)
   if row_map is not None:

@@ -110,6 +110,44 @@ def load_gguf_blocks(model, gguf_path: str) -> None:
   model.quantize = "gguf"
 
 
+def init_random_quantized(config, format: str, *, block: int = 64, dtype="bfloat16", seed: int = 0, **kwargs):
+  """A random-weight `CausalLM` whose projection kernels are DRAWN quantized (random codes,
+  scales around a 0.02-std weight's block maximum): no float copy of the kernels ever exists,
+  so an 8B base fits where its float32 weights would not. Embeddings, LM head and biases are
+  N(0, 0.02²) in `dtype`, norm weights 1 (benchmarks and memory checks of real shapes)."""
+  from jaxsft.models.llama import CausalLM, Linear, resolve_dtype
+
+  dtype = resolve_dtype(dtype)
+  model = nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, rngs=nnx.Rngs(0), **kwargs))
+  key = jax.random.key(seed)
+  max_abs = 0.06  # ~3 standard deviations of N(0, 0.02²)
+  scale = {"int8": max_abs / 127, "int4": max_abs / 7, "nf4": max_abs}[format]
+  kernels = set()
+  for index, (_, proj) in enumerate(projections(model)):
+    k = jax.random.fold_in(key, index)
+    layers, rows, out = proj.kernel.shape
+    code_rows, code_dtype = (rows, jnp.int8) if format == "int8" else (rows // 2, jnp.uint8)
+    codes = jax.jit(lambda k: jax.random.bits(k, (layers, code_rows, out), jnp.uint8).view(code_dtype))(k)
+    scales = jax.jit(lambda k: jax.random.uniform(k, (layers, rows // block, out), jnp.float32, 0.5, 1.5) * scale)(
+        jax.random.fold_in(k, 1))
+    kernels.add(id(proj.kernel))
+    proj.kernel = QuantizedKernel(QuantizedTensor(codes=codes, scales=scales, format=format, block=block))
+  for index, (path, variable) in enumerate(nnx.iter_graph(model)):
+    if not isinstance(variable, nnx.Param) or isinstance(variable, (nnx.LoRAParam,)) or id(variable) in kernels:
+      continue
+    if isinstance(variable.get_value(), jax.Array):
+      continue
+    shape = tuple(variable.shape)
+    if "norm" in ".".join(map(str, path)):
+      value = jnp.ones(shape, dtype)
+    else:
+      value = jax.jit(lambda k: (jax.random.normal(k, shape, jnp.float32) * 0.02).astype(dtype))(
+          jax.random.fold_in(key, 10_000 + index))
+    variable.set_value(value)
+  model.quantize = format
+  return model
+
+
 def param_count(tree) -> int:
   """Weights in `tree`, a quantized kernel counted by its logical (L, in, out) size."""
   leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, QuantizedTensor))
