@@ -5,6 +5,7 @@ dequantized weights (loss and LoRA gradients) for every family."""
 import copy
 import dataclasses
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -311,3 +312,51 @@ def test_real_smollm2_gguf_blocks_and_nf4_equal_their_dequantized_float_path():
     for g_q, g_f in zip(jax.tree.leaves(grads_q), jax.tree.leaves(grads_f)):
       g_q, g_f = np.asarray(g_q), np.asarray(g_f)
       assert np.abs(g_q - g_f).max() <= 1e-6 * np.abs(g_f).max()
+
+
+def _worker_fsdp_quantized(out_path):
+  """In a 2-device interpreter: one trainer step of a tiny nf4 model with the frozen base
+  sharded over fsdp=2, and the unsharded loss of the same batch."""
+  import sys
+
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+  from benchmarks import common
+
+  config = dataclasses.replace(TINY, vocab_size=SMALL_VOCAB)
+  model = quant.quantize_model(llama.init_random(config, seed=7), "nf4", block=32)
+  rng = np.random.default_rng(8)
+  ids = rng.integers(3, SMALL_VOCAB, (2, 32)).astype(np.int32)
+  labels = ids.copy()
+  labels[:, :6] = -100
+  with jax.default_matmul_precision("highest"):
+    reference = float(loss.masked_cross_entropy(copy.deepcopy(model)(ids), labels))
+    cfg = common.train_config()
+    cfg.mesh.data, cfg.mesh.fsdp = 1, 2
+    step = common.JaxsftStep(model, cfg)
+    step.warm_up([(2, 32)])
+    sharded = step.step({"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": labels})
+  codes = [leaf for leaf in jax.tree.leaves(step.frozen) if leaf.dtype == jnp.uint8]
+  split = [len(leaf.sharding.device_set) == 2 and not leaf.sharding.is_fully_replicated for leaf in codes]
+  pathlib.Path(out_path).write_text(json.dumps({"reference": reference, "sharded": sharded, "split": split}))
+
+
+def test_a_quantized_base_shards_over_fsdp_with_the_same_loss(tmp_path):
+  import os
+  import subprocess
+  import sys
+  import textwrap
+
+  code = textwrap.dedent(f"""
+      import sys
+      sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
+      import test_quant
+      test_quant._worker_fsdp_quantized(sys.argv[1])
+  """)
+  env = dict(os.environ, HF_HUB_OFFLINE="1", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+             JAX_PLATFORMS="cpu", JAX_ENABLE_COMPILATION_CACHE="false")
+  r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out.json")], capture_output=True, text=True,
+                     timeout=600, cwd=pathlib.Path(__file__).resolve().parents[1], env=env)
+  assert r.returncode == 0, r.stderr[-3000:]
+  result = json.loads((tmp_path / "out.json").read_text())
+  assert result["split"] and all(result["split"])  # every kernel's codes really split over the 2 devices
+  np.testing.assert_allclose(result["sharded"], result["reference"], rtol=1e-5)
