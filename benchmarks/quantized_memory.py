@@ -65,7 +65,7 @@ def base_bytes(config, fmt: str, dtype: str = "bfloat16") -> dict[str, int]:
   if fmt == "none":
     model = nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
   else:
-    model = nnx.eval_shape(lambda: quant.model.init_random_quantized(config, fmt, dtype=dtype))
+    model = quant.model.init_random_quantized(config, fmt, dtype=dtype, abstract=True)
   kernels = quant.tree_bytes([proj.kernel.get_value() for _, proj in quant.model.projections(model)])
   total = quant.tree_bytes(nnx.state(model))
   return {"kernels": kernels, "other": total - kernels, "total": total}

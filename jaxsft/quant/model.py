@@ -110,40 +110,59 @@ def load_gguf_blocks(model, gguf_path: str) -> None:
   model.quantize = "gguf"
 
 
-def init_random_quantized(config, format: str, *, block: int = 64, dtype="bfloat16", seed: int = 0, **kwargs):
+def init_random_quantized(config, format: str, *, block: int = 64, dtype="bfloat16", seed: int = 0,
+                          abstract: bool = False, **kwargs):
   """A random-weight `CausalLM` whose projection kernels are DRAWN quantized (random codes,
   scales around a 0.02-std weight's block maximum): no float copy of the kernels ever exists,
   so an 8B base fits where its float32 weights would not. Embeddings, LM head and biases are
-  N(0, 0.02²) in `dtype`, norm weights 1 (benchmarks and memory checks of real shapes)."""
-  from jaxsft.models.llama import CausalLM, Linear, resolve_dtype
+  N(0, 0.02²) in `dtype`, norm weights 1 (benchmarks and memory checks of real shapes).
+
+  Drawn with numpy straight into the stored dtypes, one array at a time (a jax draw of 8-bit
+  codes makes 32-bit words first); `abstract`: shapes and dtypes only (`jax.ShapeDtypeStruct`),
+  nothing allocated.
+  """
+  import ml_dtypes  # noqa: F401  (numpy's bfloat16)
+
+  from jaxsft.models.llama import CausalLM, resolve_dtype
 
   dtype = resolve_dtype(dtype)
   model = nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, rngs=nnx.Rngs(0), **kwargs))
-  key = jax.random.key(seed)
+  rng = np.random.default_rng(seed)
+
+  def draw(shape, dt, make):
+    if abstract:
+      return jax.ShapeDtypeStruct(shape, dt)
+    return jnp.asarray(make(shape))
+
   max_abs = 0.06  # ~3 standard deviations of N(0, 0.02²)
   scale = {"int8": max_abs / 127, "int4": max_abs / 7, "nf4": max_abs}[format]
   kernels = set()
-  for index, (_, proj) in enumerate(projections(model)):
-    k = jax.random.fold_in(key, index)
+  for _, proj in projections(model):
     layers, rows, out = proj.kernel.shape
-    code_rows, code_dtype = (rows, jnp.int8) if format == "int8" else (rows // 2, jnp.uint8)
-    codes = jax.jit(lambda k: jax.random.bits(k, (layers, code_rows, out), jnp.uint8).view(code_dtype))(k)
-    scales = jax.jit(lambda k: jax.random.uniform(k, (layers, rows // block, out), jnp.float32, 0.5, 1.5) * scale)(
-        jax.random.fold_in(k, 1))
-    kernels.add(id(proj.kernel))
+    code_rows, code_dtype = (rows, np.int8) if format == "int8" else (rows // 2, np.uint8)
+    codes = draw((layers, code_rows, out), code_dtype,
+                 lambda s: rng.integers(0, 256, s, dtype=np.uint8).view(code_dtype))
+    scales = draw((layers, rows // block, out), np.float32,
+                  lambda s: (rng.uniform(0.5, 1.5, s) * scale).astype(np.float32))
     proj.kernel = QuantizedKernel(QuantizedTensor(codes=codes, scales=scales, format=format, block=block))
-  for index, (path, variable) in enumerate(nnx.iter_graph(model)):
-    if not isinstance(variable, nnx.Param) or isinstance(variable, (nnx.LoRAParam,)) or id(variable) in kernels:
-      continue
-    if isinstance(variable.get_value(), jax.Array):
+    kernels.add(id(proj.kernel))
+  for path, variable in nnx.iter_graph(model):
+    if not isinstance(variable, nnx.Param) or id(variable) in kernels:
       continue
     shape = tuple(variable.shape)
     if "norm" in ".".join(map(str, path)):
-      value = jnp.ones(shape, dtype)
-    else:
-      value = jax.jit(lambda k: (jax.random.normal(k, shape, jnp.float32) * 0.02).astype(dtype))(
-          jax.random.fold_in(key, 10_000 + index))
-    variable.set_value(value)
+      variable.set_value(draw(shape, dtype, lambda s: np.ones(s, dtype)))
+      continue
+
+    def normal(s):
+      out = np.empty(s, dtype)
+      flat = out.reshape(-1, s[-1]) if len(s) > 1 else out.reshape(1, -1)
+      for start in range(0, flat.shape[0], 4096):  # row chunks: no float32 copy of a whole embedding
+        chunk = rng.standard_normal((min(4096, flat.shape[0] - start), flat.shape[1]), dtype=np.float32)
+        flat[start:start + 4096] = (chunk * np.float32(0.02)).astype(dtype)
+      return out
+
+    variable.set_value(draw(shape, dtype, normal))
   model.quantize = format
   return model
 
