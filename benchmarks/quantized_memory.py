@@ -1,6 +1,7 @@
 """What a quantized frozen base (model.quantize) costs and saves: bytes, an 8B LoRA step on a CPU, speed.
 
   python benchmarks/quantized_memory.py sizes            # bytes of the frozen base, every format
+  python benchmarks/quantized_memory.py plan8b           # XLA's memory plan of that step, compiled, not run
   python benchmarks/quantized_memory.py step8b           # one NF4 LoRA step of Llama-3.1-8B's shapes, 1x256
   python benchmarks/quantized_memory.py speed [--reps 3] # the real SmolLM2 at 8x128: float32 vs quantized
 
@@ -111,9 +112,11 @@ def step8b(batch: int = 1, length: int = 256) -> dict:
   draw_s = time.perf_counter() - t0
   stored = quant.tree_bytes(nnx.state(model))
   rss_after_draw = vm_hwm_mib()
+  print(f"drawn in {draw_s:.0f} s, {stored / 1e9:.2f} GB stored, peak RSS {rss_after_draw:.0f} MiB", flush=True)
   step = common.JaxsftStep(model, common.train_config())
   del model
   compile_info = step.warm_up([(batch, length)])
+  print(f"compiled in {compile_info['seconds']:.0f} s, peak RSS {vm_hwm_mib():.0f} MiB", flush=True)
   rng = np.random.default_rng(0)
   ids = rng.integers(0, config.vocab_size, (batch, length)).astype(np.int32)
   labels = ids.copy()
@@ -127,6 +130,40 @@ def step8b(batch: int = 1, length: int = 256) -> dict:
           "peak_rss_after_draw_mib": round(rss_after_draw), "compile": compile_info, "step_seconds": round(step_s, 1),
           "loss": loss, "finite": bool(np.isfinite(loss)), "peak_rss_mib": round(vm_hwm_mib()),
           "recompiles": step.recompiles}
+
+
+def plan8b(batch: int = 1, length: int = 256) -> dict:
+  """XLA's memory plan of the trainer's compiled step for the 8B NF4 base (`compiled.memory_analysis()`),
+  compiled on the arrays' shapes alone: arguments (the stored base, LoRA, optimizer state, batch),
+  temporaries (activations, the dequantized kernels in flight) and outputs."""
+  import jax
+  from flax import nnx
+
+  from jaxsft import lora as lora_lib
+  from jaxsft import quant, sharding
+  from jaxsft import step as step_lib
+
+  config = load_config("llama-3.1-8b")
+  model = quant.model.init_random_quantized(config, "nf4", dtype="bfloat16", abstract=True)
+  cfg = common.train_config()
+  lora_lib.apply_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, target_modules=cfg.lora.target_modules)
+  graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+  schedule = step_lib.make_schedule(cfg.optim, 10_000)
+  tx = step_lib.make_optimizer(cfg.optim, schedule)
+  opt_state = jax.jit(tx.init)(lora)
+  steps = step_lib.CompiledSteps(step_lib.make_step_functions(graphdef, cfg, tx, schedule), lora, opt_state, frozen,
+                                 sharding.make_mesh_context(cfg.mesh))
+  t0 = time.perf_counter()
+  steps.warm_up([(batch, length)], ("input_ids", "attention_mask", "labels"), with_eval=False, fused=True)
+  compile_s = time.perf_counter() - t0
+  m = steps.compiled("train_step", (batch, length)).memory_analysis()
+  plan = {k: int(getattr(m, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+                                          "alias_size_in_bytes", "generated_code_size_in_bytes")}
+  plan["peak_bytes"] = (plan["argument_size_in_bytes"] + plan["output_size_in_bytes"] + plan["temp_size_in_bytes"]
+                        - plan["alias_size_in_bytes"])
+  return {"model": "llama-3.1-8b (real config)", "format": "nf4", "block": 64, "dtype": "bfloat16",
+          "batch": [batch, length], "base_param_bytes": quant.tree_bytes(frozen), "compile_seconds": round(compile_s, 1),
+          "xla_memory_plan": plan, "process_peak_rss_mib": round(vm_hwm_mib())}
 
 
 def speed(reps: int, formats=("none", "int8", "nf4", "int4", "gguf"), batch: int = 8, length: int = 128) -> dict:
@@ -176,6 +213,17 @@ def markdown(result: dict) -> str:
               f"{s['peak_rss_mib'] / 1024:.2f} GiB ({s['peak_rss_after_draw_mib'] / 1024:.2f} GiB after the draw); "
               f"compile {s['compile']['seconds']:.0f} s, step {s['step_seconds']:.0f} s (2-core CPU shared with other "
               f"jobs: timing is not a figure of record), loss {s['loss']:.3f}.", ""]
+  if "plan8b" in result:
+    p = result["plan8b"]
+    plan = p["xla_memory_plan"]
+    lines += ["## XLA's memory plan of the trainer's step, Llama-3.1-8B's shapes, NF4 base", "",
+              f"Compiled for a {p['batch'][0]}x{p['batch'][1]} batch (LoRA r 8 on q_proj, v_proj; bfloat16 embeddings, "
+              f"LM head and compute) from the arrays' shapes, not run: arguments "
+              f"{plan['argument_size_in_bytes'] / 2**30:.2f} GiB (the base as stored: "
+              f"{p['base_param_bytes'] / 2**30:.2f} GiB), temporaries {plan['temp_size_in_bytes'] / 2**30:.2f} GiB, "
+              f"outputs {plan['output_size_in_bytes'] / 2**30:.3f} GiB, donated {plan['alias_size_in_bytes'] / 2**30:.3f} "
+              f"GiB: {plan['peak_bytes'] / 2**30:.2f} GiB in all (compile {p['compile_seconds']:.0f} s on the loaded "
+              f"machine).", ""]
   if "speed" in result:
     sp = result["speed"]
     base = sp["step_seconds"]["none"]
@@ -190,7 +238,7 @@ def markdown(result: dict) -> str:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("section", choices=("sizes", "step8b", "speed"))
+  parser.add_argument("section", choices=("sizes", "plan8b", "step8b", "speed"))
   parser.add_argument("--reps", type=int, default=3)
   args = parser.parse_args(argv)
   path = common.RESULTS / f"{RESULTS_STEM}.json"
@@ -198,6 +246,8 @@ def main(argv=None) -> int:
   result["machine"] = common.machine_info()
   if args.section == "sizes":
     result["sizes"] = sizes()
+  elif args.section == "plan8b":
+    result["plan8b"] = plan8b()
   elif args.section == "step8b":
     result["step8b"] = step8b()
   else:
