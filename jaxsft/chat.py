@@ -76,7 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def resolve_run(run_dir: str) -> dict[str, Any]:
-  """{"model", "adapter" (or None), "dtype"} of a finished run; ChatError when it is not one."""
+  """{"model", "adapter" (or None), "dtype", "quantize", "quant_block_size"} of a finished run;
+  ChatError when it is not one."""
   run = pathlib.Path(run_dir)
   config_path = run / "config.json"
   if not config_path.is_file():
@@ -95,15 +96,19 @@ def resolve_run(run_dir: str) -> dict[str, Any]:
   name = cfg.get("model", {}).get("name")
   if not name:
     raise ChatError(f"{config_path}: field model.name is missing")
-  return {"model": name, "adapter": str(adapter), "dtype": cfg.get("model", {}).get("dtype", "float32")}
+  model_cfg = cfg.get("model", {})
+  return {"model": name, "adapter": str(adapter), "dtype": model_cfg.get("dtype", "float32"),
+          "quantize": model_cfg.get("quantize", "none"), "quant_block_size": model_cfg.get("quant_block_size", 64)}
 
 
-def load(model_name: str, adapter: str | None, dtype: str):
-  """(model, tokenizer) with the adapter applied; ChatError on a missing or mismatched adapter."""
+def load(model_name: str, adapter: str | None, dtype: str, quantize: str = "none", quant_block_size: int = 64):
+  """(model, tokenizer) with the adapter applied (on the base quantized as the run trained it);
+  ChatError on a missing or mismatched adapter."""
   from jaxsft import lora
 
   try:
-    return lora.load_with_adapter(model_name, adapter, dtype=dtype)
+    return lora.load_with_adapter(model_name, adapter, dtype=dtype, quantize=quantize,
+                                  quant_block_size=quant_block_size)
   except ValueError as e:
     raise ChatError(str(e)) from None
 
@@ -111,7 +116,8 @@ def load(model_name: str, adapter: str | None, dtype: str):
 def load_from_args(args):
   if args.run_dir:
     source = resolve_run(args.run_dir)
-    return load(source["model"], source["adapter"], args.dtype or source["dtype"])
+    return load(source["model"], source["adapter"], args.dtype or source["dtype"], source.get("quantize", "none"),
+                source.get("quant_block_size", 64))
   return load(args.model, args.adapter, args.dtype or "float32")
 
 

@@ -3,6 +3,7 @@
     python -m jaxsft.export runs/default --out exported/default-hf                 # HF folder
     python -m jaxsft.export runs/default --out exported/default-gguf --format gguf --dtype q8_0
     python -m jaxsft.export --model smollm2-135m-instruct --adapter runs/default/adapter --out DIR
+    python -m jaxsft.export --model smollm2-135m-instruct --quantize nf4 --out DIR    # the base a QLoRA run sees
 
 The LoRA update is merged into the base in float32, W' = W + s · A B (s = alpha / r, or
 alpha / √r with rsLoRA), and only then cast to `--dtype`, so the cast rounds once.
@@ -26,6 +27,11 @@ Everything is built in a temporary folder beside `--out` and swapped in whole; a
 `--out` is refused unless `--overwrite`, which replaces only an earlier export; an `--out` that
 is, contains or lies inside the run, the adapter or the base model folder is refused. Weights
 are written as safetensors/GGUF, never pickled.
+
+A run on a quantized base (`model.quantize`, read from RUN_DIR's config.json, or `--quantize`
+with `--model`) is merged into the base as it trained on it: the quantized kernels are
+dequantized to float32 first, W' = ŵ + s · A B, then cast. Without an adapter this writes the
+dequantized base itself, which a plain run can load to check a quantized run against.
 """
 
 from __future__ import annotations
@@ -368,9 +374,9 @@ def check_out(out: pathlib.Path, sources: dict[str, str | None], overwrite: bool
 
 def export(model_name: str, adapter: str | None, out: str | pathlib.Path, *, fmt: str = "hf",
            dtype: str = "float32", overwrite: bool = False, max_shard_size: int | str = "5GB",
-           run_dir: str | None = None) -> pathlib.Path:
+           run_dir: str | None = None, quantize: str = "none", quant_block_size: int = 64) -> pathlib.Path:
   """Merge `adapter` into `model_name` and write it to `out` (see the module docstring)."""
-  from jaxsft import lora, run_files
+  from jaxsft import lora, quant, run_files
   from jaxsft.models import hub
 
   out = pathlib.Path(out)
@@ -385,9 +391,11 @@ def export(model_name: str, adapter: str | None, out: str | pathlib.Path, *, fmt
   except (FileNotFoundError, ValueError, KeyError) as e:
     raise ExportError(f"cannot load model {model_name!r}: {e}") from None
   try:
-    model, tokenizer = lora.load_with_adapter(model_name, adapter, dtype="float32")
+    model, tokenizer = lora.load_with_adapter(model_name, adapter, dtype="float32", quantize=quantize,
+                                              quant_block_size=quant_block_size)
   except ValueError as e:
     raise ExportError(str(e)) from None
+  quant.dequantize_model(model)  # merge into (and write) the base as the quantized run saw it
   config = model.config
   if fmt == "gguf":
     check_gguf(config)  # before the merge: a refused model writes nothing
@@ -418,6 +426,10 @@ def main(argv=None) -> int:
                       help="weight dtype after the float32 merge (q8_0: GGUF only)")
   parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
   parser.add_argument("--max-shard-size", default="5GB", help="hf: split model.safetensors past this size")
+  parser.add_argument("--quantize", choices=("none", "int8", "nf4", "int4", "gguf"), default=None,
+                      help="the base as a run with this model.quantize sees it, dequantized (default: the run's, "
+                           "or none)")
+  parser.add_argument("--quant-block-size", type=int, default=None, help="model.quant_block_size of that run (64)")
   args = parser.parse_args(argv)
   if (args.run_dir is None) == (args.model is None):
     parser.error("give RUN_DIR or --model (one of them)")
@@ -429,13 +441,17 @@ def main(argv=None) -> int:
 def _main(args) -> int:
   from jaxsft.chat import resolve_run
 
+  quantize, block = "none", 64
   if args.run_dir:
     source = resolve_run(args.run_dir)
     model_name, adapter = source["model"], source["adapter"]
+    quantize, block = source.get("quantize", "none"), source.get("quant_block_size", 64)
   else:
     model_name, adapter = args.model, args.adapter
+  quantize = args.quantize or quantize
+  block = args.quant_block_size or block
   out = export(model_name, adapter, args.out, fmt=args.format, dtype=args.dtype, overwrite=args.overwrite,
-               max_shard_size=args.max_shard_size, run_dir=args.run_dir)
+               max_shard_size=args.max_shard_size, run_dir=args.run_dir, quantize=quantize, quant_block_size=block)
   size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
   print(f"wrote {out} ({args.format}, {args.dtype}, {size / 2**20:.1f} MiB)", file=sys.stderr)
   return 0

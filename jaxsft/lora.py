@@ -337,16 +337,18 @@ def load_adapter(model, directory: str | os.PathLike):
   return model
 
 
-def load_with_adapter(model_name: str, adapter: str | os.PathLike | None, *, dtype: str):
-  """(model, tokenizer) of `model_name` with the PEFT adapter in `adapter` (None: no adapter)
-  loaded onto it. A missing model, a folder that is not an adapter, or an adapter for another
-  base raise ValueError with one line that says which."""
+def load_with_adapter(model_name: str, adapter: str | os.PathLike | None, *, dtype: str, quantize: str = "none",
+                      quant_block_size: int = 64):
+  """(model, tokenizer) of `model_name` (its base stored as `quantize` says, see `jaxsft.quant`)
+  with the PEFT adapter in `adapter` (None: no adapter) loaded onto it. A missing model, a folder
+  that is not an adapter, or an adapter for another base raise ValueError with one line that
+  says which."""
   from jaxsft import models  # models' loading imports this module
 
   if adapter is not None and not (pathlib.Path(adapter) / ADAPTER_CONFIG).is_file():
     raise ValueError(f"{pathlib.Path(adapter) / ADAPTER_CONFIG} is missing: not a PEFT adapter directory")
   try:
-    model, tokenizer = models.load_model(model_name, dtype=dtype)
+    model, tokenizer = models.load_model(model_name, dtype=dtype, quantize=quantize, quant_block_size=quant_block_size)
   except (FileNotFoundError, ValueError, KeyError) as e:
     raise ValueError(f"cannot load model {model_name!r}: {e}") from None
   if adapter is not None:

@@ -37,6 +37,7 @@ from jaxsft import flops as flops_lib
 from jaxsft import lora as lora_lib
 from jaxsft import models
 from jaxsft import run_files
+from jaxsft import quant
 from jaxsft import sharding as sharding_lib
 from jaxsft import step as step_lib
 from jaxsft.errors import JaxsftError
@@ -414,6 +415,7 @@ class Run:
   flop_count: flops_lib.StepFlops | None = None  # model FLOPs of a step, from its shapes
   peak_flops: float | None = None  # per device: the denominator of MFU (None: FLOP/s only)
   trackers: tracking.Trackers = dataclasses.field(default_factory=lambda: tracking.Trackers({}))
+  param_bytes: dict = dataclasses.field(default_factory=dict)  # base_param_bytes, trainable_param_bytes
 
 
 def param_paths(model) -> list[str]:
@@ -464,10 +466,15 @@ def _setup(cfg: config_lib.TrainConfig, files: RunFiles, t_start: float) -> tupl
   sharding_lib.check_batch_sizes(cfg, mesh)
   sharding_lib.barrier("jaxsft: output dir checked")  # no process writes before all have looked
 
+  if cfg.model.quantize != "none" and cfg.mode == "full":
+    raise config_lib.ConfigError(f"model.quantize={cfg.model.quantize}: a quantized base is frozen, so it trains "
+                                 f"LoRA adapters only; use mode=lora or model.quantize=none with mode=full")
   log.info("loading data")
   train_records, val_records = load_data(cfg)
-  log.info("loading model %s (%s)", cfg.model.name, cfg.model.dtype)
-  model, tokenizer = models.load_model(cfg.model.name, dtype=cfg.model.dtype, remat=cfg.model.remat)
+  log.info("loading model %s (%s%s)", cfg.model.name, cfg.model.dtype,
+           "" if cfg.model.quantize == "none" else f", base quantized {cfg.model.quantize}")
+  model, tokenizer = models.load_model(cfg.model.name, dtype=cfg.model.dtype, remat=cfg.model.remat,
+                                       quantize=cfg.model.quantize, quant_block_size=cfg.model.quant_block_size)
   if cfg.mode == "lora":
     lora_lib.apply_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                         target_modules=cfg.lora.target_modules, rslora=cfg.lora.rslora, seed=cfg.seed)
@@ -475,12 +482,15 @@ def _setup(cfg: config_lib.TrainConfig, files: RunFiles, t_start: float) -> tupl
   # `lora` is the trainable state (the LoRA factors, or the model's own params in full mode).
   graphdef, lora, frozen = nnx.split(model, trainable_filter(cfg), ...)
   n_lora = sum(x.size for x in jax.tree.leaves(lora))
-  n_all = n_lora + sum(x.size for x in jax.tree.leaves(frozen))
+  n_all = n_lora + quant.param_count(frozen)
   if n_lora == 0:
     raise config_lib.ConfigError(f"trainable={cfg.trainable!r} matches no parameter; paths look like "
                                  f"{sorted(param_paths(model))[:6]}")
   log.info("trainable %s params: %d of %d (%.3f%%)", "LoRA" if cfg.mode == "lora" else "model", n_lora, n_all,
            100 * n_lora / max(n_all, 1))
+  param_bytes = {"base_param_bytes": quant.tree_bytes(frozen), "trainable_param_bytes": quant.tree_bytes(lora)}
+  log.info("frozen base: %.1f MB as stored (quantize=%s); trainable: %.1f MB", param_bytes["base_param_bytes"] / 1e6,
+           cfg.model.quantize, param_bytes["trainable_param_bytes"] / 1e6)
   lora, frozen = mesh.replicate(lora), mesh.shard_frozen(frozen)
 
   probes = []  # (steps, opt_state, cost, schedule length, seconds) when auto probed the step's cost
@@ -499,7 +509,7 @@ def _setup(cfg: config_lib.TrainConfig, files: RunFiles, t_start: float) -> tupl
     steps, opt_state = build_steps(cfg, graphdef, lora, frozen, mesh, total_steps)
   run = Run(cfg, files, mesh, tokenizer, data, graphdef, frozen, steps, total_steps, steps_per_epoch,
             Checkpoints(files, cfg.keep_checkpoints), t_start, probe_seconds=probes[0][4] if probes else 0.0,
-            flop_count=flop_count, peak_flops=resolve_peak_flops(cfg))
+            flop_count=flop_count, peak_flops=resolve_peak_flops(cfg), param_bytes=param_bytes)
   warm_up(run, n_lora)
   return run, RunState(lora=lora, opt_state=opt_state)
 
@@ -570,7 +580,8 @@ def warm_up(run: Run, n_lora: int) -> None:
            counter.seconds - seconds0, len(run.data.shapes))
   run.config_line = {"event": "config", "steps_per_epoch": run.steps_per_epoch, "total_steps": run.total_steps,
                      "batch_shapes": run.data.shapes, "bucket_lengths": run.data.batching["bucket_lengths"],
-                     "warmup_compiles": run.compiles_warmup, "warmup_seconds": round(seconds, 2), "lora_params": n_lora}
+                     "warmup_compiles": run.compiles_warmup, "warmup_seconds": round(seconds, 2), "lora_params": n_lora,
+                     **run.param_bytes}
 
 
 def account_collation(run: Run, keys: tuple[str, ...]) -> None:
@@ -997,7 +1008,7 @@ def finish(run: Run, result: RunResult, model) -> None:
       "stopped_early": result.stopped_early, "diagnosis": result.diagnosis.pattern,
       "data": run.data.stats.summary(), "seconds": round(time.time() - run.t_start, 1),
       "collation": {**run.collation, "measured_seconds": {"steps": round(run.step_seconds, 3), "compiles": round(
-          run.probe_seconds + run.warmup_seconds, 3)}},
+          run.probe_seconds + run.warmup_seconds, 3)}}, **run.param_bytes,
   }
   if result.evaluation:
     for name in ("base", "tuned"):

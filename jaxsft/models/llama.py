@@ -38,6 +38,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxsft.models.families import (SUPPORTED_MODEL_TYPES, LlamaConfig, from_hf_config,  # noqa: F401
                                    to_hf_config)
+from jaxsft.quant.model import kernel_value
 
 
 def resolve_dtype(dtype) -> jnp.dtype:
@@ -407,7 +408,7 @@ class Linear(nnx.Module):
     self.rng_index = rng_index  # folds the layer's dropout key into a per-projection key
 
   def __call__(self, x: jax.Array, dropout_rng: jax.Array | None = None) -> jax.Array:
-    y = x @ self.kernel[...]
+    y = x @ kernel_value(self.kernel, x.dtype)  # a quantized base is dequantized here (jaxsft.quant)
     if self.bias is not None:
       y = y + self.bias[...]
     if self.lora_a is not None:

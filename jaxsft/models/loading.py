@@ -109,24 +109,37 @@ _CACHE_FORMAT = "2"
 
 
 def load_model(name_or_path: str, *, dtype: str = "float32", attention: str = "xla",
-               remat: str | Callable | None = llama.DEFAULT_REMAT):
+               remat: str | Callable | None = llama.DEFAULT_REMAT, quantize: str = "none",
+               quant_block_size: int = 64):
   """`(model, tokenizer)` for a short name, HF directory, hub id or `.gguf` file.
 
   Args:
     name_or_path: e.g. "smollm2-135m-instruct", "/path/to/hf_dir", "org/name", "x.gguf".
     dtype: "float32" or "bfloat16" for the base weights and the compute.
     attention, remat: see `CausalLM`.
+    quantize, quant_block_size: store the projection kernels block-quantized (`jaxsft.quant`):
+      none, int8, nf4, int4 (blocks of `quant_block_size` inputs) or gguf (a GGUF file's own
+      Q4_0 / Q4_1 / Q8_0 blocks).
   """
   source = resolve_model(name_or_path)
-  model = load_causal_lm(source, dtype=dtype, attention=attention, remat=remat)
+  model = load_causal_lm(source, dtype=dtype, attention=attention, remat=remat, quantize=quantize,
+                         quant_block_size=quant_block_size)
   return model, load_tokenizer(source)
 
 
 def load_causal_lm(source: ModelSource | str, *, dtype: str = "float32", attention: str = "xla",
-                   remat: str | Callable | None = llama.DEFAULT_REMAT) -> llama.CausalLM:
+                   remat: str | Callable | None = llama.DEFAULT_REMAT, quantize: str = "none",
+                   quant_block_size: int = 64) -> llama.CausalLM:
   """The model alone (no tokenizer): `load_model` without the tokenizer files."""
+  from jaxsft import quant
+
+  if quantize not in quant.QUANTIZE_CHOICES:
+    raise ValueError(f"quantize must be one of {list(quant.QUANTIZE_CHOICES)}, got {quantize!r}")
   if isinstance(source, str):
     source = resolve_model(source)
+  if quantize == "gguf" and source.gguf_file is None:
+    raise ValueError(f"model.quantize=gguf keeps a GGUF file's own blocks, but {source.name!r} is not a .gguf "
+                     f"file (use int8, nf4 or int4)")
   if source.gguf_file is not None:
     hf_config, tensors, where = load_gguf_cached(source)
   else:
@@ -136,6 +149,10 @@ def load_causal_lm(source: ModelSource | str, *, dtype: str = "float32", attenti
   model = llama.from_hf_state_dict(config, tensors, dtype=dtype, source=where, attention=attention,
                                    remat=remat)
   model.name_or_path = source.name  # recorded as base_model_name_or_path in adapter configs
+  if quantize == "gguf":
+    quant.load_gguf_blocks(model, pathlib.Path(source.path) / source.gguf_file)
+  elif quantize != "none":
+    quant.quantize_model(model, quantize, quant_block_size)
   return model
 
 

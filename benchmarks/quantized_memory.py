@@ -1,0 +1,261 @@
+"""What a quantized frozen base (model.quantize) costs and saves: bytes, an 8B LoRA step on a CPU, speed.
+
+  python benchmarks/quantized_memory.py sizes            # bytes of the frozen base, every format
+  python benchmarks/quantized_memory.py plan8b           # XLA's memory plan of that step, compiled, not run
+  python benchmarks/quantized_memory.py step8b           # one NF4 LoRA step of Llama-3.1-8B's shapes, 1x256
+  python benchmarks/quantized_memory.py speed [--reps 3] # the real SmolLM2 at 8x128: float32 vs quantized
+
+`sizes`: bytes of the frozen base as stored (projection kernels: codes + float32 block scales;
+embeddings, LM head and norms in bfloat16), for the real configs in configs/models, read off the
+arrays' shapes and dtypes (`nnx.eval_shape` of the same draw `step8b` runs, nothing allocated),
+and for the real SmolLM2 GGUF with model.quantize=gguf (its Q4_1 blocks, loaded).
+
+`step8b`: a random-weight model of Llama-3.1-8B's real config with its kernels drawn directly as
+NF4 codes (a float32 copy would not fit in 24 GB), bfloat16 embeddings, LM head and compute; the
+trainer's compiled step (`benchmarks.common.JaxsftStep`: LoRA r 8 on q_proj, v_proj, AdamW)
+on one 1x256 batch. Peak RSS is the process's VmHWM (/proc/self/status), i.e. everything: the
+drawn weights, XLA's compile, the step.
+
+`speed`: the real SmolLM2-135M-Instruct at 8x128, float32 base against int8 / nf4 / int4 / gguf
+(float32 compute), steps interleaved round-robin; the difference is the cost of dequantizing
+every kernel in the forward pass and again in the rematerialized backward pass.
+
+Results: benchmarks/results/quantized_memory.{json,md} (each section updates its own part).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import common  # noqa: E402
+
+CONFIGS = {"smollm2-135m": "configs/models/smollm2-135m.json", "llama-3.2-1b": "configs/models/llama-3.2-1b.json",
+           "llama-3.1-8b": "configs/models/llama-3.1-8b.json"}
+FORMATS = ("int8", "nf4", "int4")
+RESULTS_STEM = "quantized_memory"
+
+
+def vm_hwm_mib() -> float:
+  """Peak resident set size of this process (VmHWM), MiB."""
+  for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+    if line.startswith("VmHWM:"):
+      return int(line.split()[1]) / 1024
+  return common.peak_rss_mib()
+
+
+def load_config(name: str):
+  from jaxsft.models import from_hf_config
+
+  return from_hf_config(json.loads((ROOT / CONFIGS[name]).read_text()))
+
+
+def base_bytes(config, fmt: str, dtype: str = "bfloat16") -> dict[str, int]:
+  """{"kernels", "other", "total"}: bytes of the frozen base as stored, from shapes only."""
+  from flax import nnx
+
+  from jaxsft import quant
+  from jaxsft.models.llama import CausalLM
+
+  if fmt == "none":
+    model = nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+  else:
+    model = quant.model.init_random_quantized(config, fmt, dtype=dtype, abstract=True)
+  kernels = quant.tree_bytes([proj.kernel.get_value() for _, proj in quant.model.projections(model)])
+  total = quant.tree_bytes(nnx.state(model))
+  return {"kernels": kernels, "other": total - kernels, "total": total}
+
+
+def sizes() -> dict:
+  rows = []
+  for name in CONFIGS:
+    config = load_config(name)
+    bf16 = base_bytes(config, "none")
+    for fmt in ("none", *FORMATS):
+      b = bf16 if fmt == "none" else base_bytes(config, fmt)
+      rows.append({"model": name, "format": "bfloat16" if fmt == "none" else fmt, **b,
+                   "kernels_vs_bf16": b["kernels"] / bf16["kernels"], "total_vs_bf16": b["total"] / bf16["total"]})
+  rows.append(gguf_row())
+  return {"rows": rows}
+
+
+def gguf_row() -> dict:
+  """The real SmolLM2 GGUF loaded with model.quantize=gguf (its own Q4_1 blocks), bfloat16 rest."""
+  from flax import nnx
+
+  from jaxsft import quant
+  from jaxsft.models import load_causal_lm
+
+  model = load_causal_lm("smollm2-135m-instruct", dtype="bfloat16", quantize="gguf")
+  bf16 = base_bytes(model.config, "none")
+  kernels = quant.tree_bytes([proj.kernel.get_value() for _, proj in quant.model.projections(model)])
+  total = quant.tree_bytes(nnx.state(model))
+  return {"model": "smollm2-135m (real GGUF)", "format": "gguf (Q4_1)", "kernels": kernels, "other": total - kernels,
+          "total": total, "kernels_vs_bf16": kernels / bf16["kernels"], "total_vs_bf16": total / bf16["total"]}
+
+
+def step8b(batch: int = 1, length: int = 256) -> dict:
+  import numpy as np
+  from flax import nnx
+
+  from jaxsft import quant
+
+  config = load_config("llama-3.1-8b")
+  t0 = time.perf_counter()
+  model = quant.model.init_random_quantized(config, "nf4", dtype="bfloat16")
+  draw_s = time.perf_counter() - t0
+  stored = quant.tree_bytes(nnx.state(model))
+  rss_after_draw = vm_hwm_mib()
+  print(f"drawn in {draw_s:.0f} s, {stored / 1e9:.2f} GB stored, peak RSS {rss_after_draw:.0f} MiB", flush=True)
+  step = common.JaxsftStep(model, common.train_config())
+  del model
+  compile_info = step.warm_up([(batch, length)])
+  print(f"compiled in {compile_info['seconds']:.0f} s, peak RSS {vm_hwm_mib():.0f} MiB", flush=True)
+  rng = np.random.default_rng(0)
+  ids = rng.integers(0, config.vocab_size, (batch, length)).astype(np.int32)
+  labels = ids.copy()
+  labels[:, : length // 2] = -100
+  batch_arrays = {"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": labels}
+  t0 = time.perf_counter()
+  loss = step.step(batch_arrays)
+  step_s = time.perf_counter() - t0
+  return {"model": "llama-3.1-8b (random weights, real config)", "format": "nf4", "block": 64, "dtype": "bfloat16",
+          "batch": [batch, length], "base_param_bytes": stored, "draw_seconds": round(draw_s, 1),
+          "peak_rss_after_draw_mib": round(rss_after_draw), "compile": compile_info, "step_seconds": round(step_s, 1),
+          "loss": loss, "finite": bool(np.isfinite(loss)), "peak_rss_mib": round(vm_hwm_mib()),
+          "recompiles": step.recompiles}
+
+
+def plan8b(batch: int = 1, length: int = 256) -> dict:
+  """XLA's memory plan of the trainer's compiled step for the 8B NF4 base (`compiled.memory_analysis()`),
+  compiled on the arrays' shapes alone: arguments (the stored base, LoRA, optimizer state, batch),
+  temporaries (activations, the dequantized kernels in flight) and outputs."""
+  import jax
+  from flax import nnx
+
+  from jaxsft import lora as lora_lib
+  from jaxsft import quant, sharding
+  from jaxsft import step as step_lib
+
+  config = load_config("llama-3.1-8b")
+  model = quant.model.init_random_quantized(config, "nf4", dtype="bfloat16", abstract=True)
+  cfg = common.train_config()
+  lora_lib.apply_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, target_modules=cfg.lora.target_modules)
+  graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)
+  schedule = step_lib.make_schedule(cfg.optim, 10_000)
+  tx = step_lib.make_optimizer(cfg.optim, schedule)
+  opt_state = jax.jit(tx.init)(lora)
+  steps = step_lib.CompiledSteps(step_lib.make_step_functions(graphdef, cfg, tx, schedule), lora, opt_state, frozen,
+                                 sharding.make_mesh_context(cfg.mesh))
+  t0 = time.perf_counter()
+  steps.warm_up([(batch, length)], ("input_ids", "attention_mask", "labels"), with_eval=False, fused=True)
+  compile_s = time.perf_counter() - t0
+  m = steps.compiled("train_step", (batch, length)).memory_analysis()
+  plan = {k: int(getattr(m, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+                                          "alias_size_in_bytes", "generated_code_size_in_bytes")}
+  plan["peak_bytes"] = (plan["argument_size_in_bytes"] + plan["output_size_in_bytes"] + plan["temp_size_in_bytes"]
+                        - plan["alias_size_in_bytes"])
+  return {"model": "llama-3.1-8b (real config)", "format": "nf4", "block": 64, "dtype": "bfloat16",
+          "batch": [batch, length], "base_param_bytes": quant.tree_bytes(frozen), "compile_seconds": round(compile_s, 1),
+          "xla_memory_plan": plan, "process_peak_rss_mib": round(vm_hwm_mib())}
+
+
+def speed(reps: int, formats=("none", "int8", "nf4", "int4", "gguf"), batch: int = 8, length: int = 128) -> dict:
+  import numpy as np
+
+  from jaxsft.models import load_causal_lm
+
+  rng = np.random.default_rng(0)
+  ids = rng.integers(0, 49152, (batch, length)).astype(np.int32)
+  labels = ids.copy()
+  labels[:, :16] = -100
+  arrays = {"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": labels}
+  steps, compile_s = {}, {}
+  for fmt in formats:
+    model = load_causal_lm("smollm2-135m-instruct", dtype="float32", quantize=fmt)
+    steps[fmt] = common.JaxsftStep(model, common.train_config())
+    compile_s[fmt] = steps[fmt].warm_up([(batch, length)])["seconds"]
+    steps[fmt].step(arrays)  # first call
+  times = {fmt: [] for fmt in formats}
+  for _ in range(reps):
+    for fmt in formats:
+      t0 = time.perf_counter()
+      steps[fmt].step(arrays)
+      times[fmt].append(time.perf_counter() - t0)
+  return {"batch": [batch, length], "reps": reps, "compile_seconds": compile_s,
+          "step_seconds": {f: common.median(t) for f, t in times.items()}, "all_step_seconds": times}
+
+
+def markdown(result: dict) -> str:
+  lines = ["# Quantized frozen base: memory and speed", "", common.machine_line(result["machine"]), ""]
+  if "sizes" in result:
+    lines += ["## Bytes of the frozen base as stored", "",
+              "Projection kernels quantized (codes + float32 scale per 64 inputs; GGUF: its own float16 d and m "
+              "per 32); embeddings, LM head and norms in bfloat16.", "",
+              "| model | format | kernels (MB) | rest (MB) | total (MB) | kernels / bf16 | total / bf16 |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in result["sizes"]["rows"]:
+      lines.append(f"| {r['model']} | {r['format']} | {r['kernels'] / 1e6:,.1f} | {r['other'] / 1e6:,.1f} | "
+                   f"{r['total'] / 1e6:,.1f} | {r['kernels_vs_bf16']:.3f} | {r['total_vs_bf16']:.3f} |")
+    lines.append("")
+  if "step8b" in result:
+    s = result["step8b"]
+    lines += ["## One LoRA step of Llama-3.1-8B's shapes on an NF4 base (loaded machine)", "",
+              f"{s['model']}, NF4 kernels drawn directly, bfloat16 embeddings/LM head/compute, batch "
+              f"{s['batch'][0]}x{s['batch'][1]}, LoRA r 8 on q_proj and v_proj: base "
+              f"{s['base_param_bytes'] / 1e9:.2f} GB as stored (bfloat16: 16.1 GB); peak RSS "
+              f"{s['peak_rss_mib'] / 1024:.2f} GiB ({s['peak_rss_after_draw_mib'] / 1024:.2f} GiB after the draw); "
+              f"compile {s['compile']['seconds']:.0f} s, step {s['step_seconds']:.0f} s (2-core CPU shared with other "
+              f"jobs: timing is not a figure of record), loss {s['loss']:.3f}.", ""]
+  if "plan8b" in result:
+    p = result["plan8b"]
+    plan = p["xla_memory_plan"]
+    lines += ["## XLA's memory plan of the trainer's step, Llama-3.1-8B's shapes, NF4 base", "",
+              f"Compiled for a {p['batch'][0]}x{p['batch'][1]} batch (LoRA r 8 on q_proj, v_proj; bfloat16 embeddings, "
+              f"LM head and compute) from the arrays' shapes, not run: arguments "
+              f"{plan['argument_size_in_bytes'] / 2**30:.2f} GiB (the base as stored: "
+              f"{p['base_param_bytes'] / 2**30:.2f} GiB), temporaries {plan['temp_size_in_bytes'] / 2**30:.2f} GiB, "
+              f"outputs {plan['output_size_in_bytes'] / 2**30:.3f} GiB, donated {plan['alias_size_in_bytes'] / 2**30:.3f} "
+              f"GiB: {plan['peak_bytes'] / 2**30:.2f} GiB in all (compile {p['compile_seconds']:.0f} s on the loaded "
+              f"machine).", ""]
+  if "speed" in result:
+    sp = result["speed"]
+    base = sp["step_seconds"]["none"]
+    lines += [f"## Step time, real SmolLM2-135M-Instruct, {sp['batch'][0]}x{sp['batch'][1]}, float32 compute "
+              f"(loaded machine, median of {sp['reps']} interleaved)", "",
+              "| base | step (s) | vs float32 |", "| --- | ---: | ---: |"]
+    for fmt, t in sp["step_seconds"].items():
+      lines.append(f"| {'float32' if fmt == 'none' else fmt} | {t:.2f} | {t / base:.2f}x |")
+    lines.append("")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("section", choices=("sizes", "plan8b", "step8b", "speed"))
+  parser.add_argument("--reps", type=int, default=3)
+  args = parser.parse_args(argv)
+  path = common.RESULTS / f"{RESULTS_STEM}.json"
+  result = json.loads(path.read_text()) if path.is_file() else {}
+  result["machine"] = common.machine_info()
+  if args.section == "sizes":
+    result["sizes"] = sizes()
+  elif args.section == "plan8b":
+    result["plan8b"] = plan8b()
+  elif args.section == "step8b":
+    result["step8b"] = step8b()
+  else:
+    result["speed"] = speed(args.reps)
+  common.write_results(RESULTS_STEM, result, markdown(result))
+  print(markdown(result))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

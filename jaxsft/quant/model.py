@@ -1,0 +1,178 @@
+"""A `CausalLM` whose frozen projection kernels are stored block-quantized (QLoRA).
+
+Each decoder projection (`jaxsft.models.llama.Linear`) keeps its stacked kernel (L, in, out)
+as a `QuantizedKernel` variable holding a `QuantizedTensor`; `Linear` dequantizes it on use
+(`kernel_value`), inside the scanned and rematerialized layer body, so only one layer's float
+kernel exists at a time in the forward and in the backward pass. `QuantizedKernel` is not an
+`nnx.Param`: the trainer's `nnx.split(model, nnx.LoRAParam, ...)` puts it with the frozen
+state, and the optimizer never sees it. Embeddings, LM head, norms and biases stay in the
+compute dtype; LoRA factors stay float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxsft.quant import formats
+from jaxsft.quant.formats import QuantizedTensor
+
+QUANTIZE_CHOICES = ("none", "int8", "nf4", "int4", "gguf")
+"""`model.quantize`: none, a `jaxsft.quant.formats` format made at load time, or gguf (the
+file's own Q4_0 / Q4_1 / Q8_0 blocks)."""
+
+
+class QuantizedKernel(nnx.Variable):
+  """A frozen, block-quantized kernel (a `QuantizedTensor` value); never trained."""
+
+
+def kernel_value(variable: nnx.Variable, dtype) -> jax.Array:
+  """The kernel as a float array: dequantized (float32 math, then `dtype`) when quantized."""
+  value = variable.get_value()
+  if isinstance(value, QuantizedTensor):
+    return formats.dequantize(value, dtype)
+  return value
+
+
+def projections(model):
+  """(dotted path inside the decoder layer, `Linear`) for every projection of `model`."""
+  from jaxsft.models.llama import Linear
+
+  return [(".".join(map(str, path)), module) for path, module in nnx.iter_graph(model.layers)
+          if isinstance(module, Linear)]
+
+
+def is_quantized(model) -> bool:
+  return any(isinstance(proj.kernel, QuantizedKernel) for _, proj in projections(model))
+
+
+def set_quantized(proj, q: QuantizedTensor) -> None:
+  if tuple(q.shape) != tuple(proj.kernel.shape):
+    raise ValueError(f"quantized kernel of shape {q.shape} for a kernel of shape {tuple(proj.kernel.shape)}")
+  proj.kernel = QuantizedKernel(jax.tree.map(jnp.asarray, q))
+
+
+def quantize_model(model, format: str, block: int = 64):
+  """Quantize every projection kernel of `model` IN PLACE (`formats.quantize`); returns `model`."""
+  for path, proj in projections(model):
+    try:
+      q = formats.quantize(np.asarray(proj.kernel[...], np.float32), format, block)
+    except ValueError as e:
+      raise ValueError(f"model.quantize={format}: layers.{path}.kernel {tuple(proj.kernel.shape)}: {e}") from None
+    set_quantized(proj, q)
+  model.quantize = format
+  return model
+
+
+def dequantize_model(model):
+  """Replace every quantized kernel with its dequantized float kernel (the model's dtype),
+  IN PLACE: the base a quantized run trains on, as an ordinary model (export, merging)."""
+  for _, proj in projections(model):
+    if isinstance(proj.kernel, QuantizedKernel):
+      proj.kernel = nnx.Param(kernel_value(proj.kernel, model.dtype))
+  model.quantize = "none"
+  return model
+
+
+def load_gguf_blocks(model, gguf_path: str) -> None:
+  """Replace `model`'s projection kernels with the GGUF file's own blocks, IN PLACE.
+
+  Every layer of a projection must hold the same block type; any other type is refused
+  naming the tensor and its type (`jaxsft.quant.gguf.gguf_blocks`).
+  """
+  from gguf import GGUFReader
+
+  from jaxsft.models import loading
+  from jaxsft.quant import gguf as gguf_quant
+
+  reader = GGUFReader(str(gguf_path))
+  arch = loading._field(reader, "general.architecture")
+  by_module = {hf: name for name, hf in loading.gguf_layer_names(arch).items()}
+  tensors = {t.name: t for t in reader.tensors}
+  cfg = model.config
+  for path, proj in projections(model):
+    name = by_module[path]
+    row_map = None
+    if arch in loading.GGUF_PERMUTED_QK_ARCHS and name in ("attn_q", "attn_k"):
+      heads = cfg.num_heads if name == "attn_q" else cfg.num_kv_heads
+      row_map = lambda x, heads=heads: loading.unpermute_qk(x, heads)  # noqa: E731
+    try:
+      layers = [gguf_quant.gguf_blocks(tensors[f"blk.{i}.{name}.weight"], row_map) for i in range(cfg.num_layers)]
+    except ValueError as e:
+      raise ValueError(f"{gguf_path}: {e}") from None
+    kinds = {q.format for q in layers}
+    if len(kinds) > 1:
+      raise ValueError(f"{gguf_path}: blk.*.{name}.weight mixes block types across layers ({sorted(kinds)}); "
+                       f"model.quantize=gguf needs one per projection")
+    set_quantized(proj, gguf_quant.stack(layers))
+  model.quantize = "gguf"
+
+
+def init_random_quantized(config, format: str, *, block: int = 64, dtype="bfloat16", seed: int = 0,
+                          abstract: bool = False, **kwargs):
+  """A random-weight `CausalLM` whose projection kernels are DRAWN quantized (random codes,
+  scales around a 0.02-std weight's block maximum): no float copy of the kernels ever exists,
+  so an 8B base fits where its float32 weights would not. Embeddings, LM head and biases are
+  N(0, 0.02²) in `dtype`, norm weights 1 (benchmarks and memory checks of real shapes).
+
+  Drawn with numpy straight into the stored dtypes, one array at a time (a jax draw of 8-bit
+  codes makes 32-bit words first); `abstract`: shapes and dtypes only (`jax.ShapeDtypeStruct`),
+  nothing allocated.
+  """
+  import ml_dtypes  # noqa: F401  (numpy's bfloat16)
+
+  from jaxsft.models.llama import CausalLM, resolve_dtype
+
+  dtype = resolve_dtype(dtype)
+  model = nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, rngs=nnx.Rngs(0), **kwargs))
+  rng = np.random.default_rng(seed)
+
+  def draw(shape, dt, make):
+    if abstract:
+      return jax.ShapeDtypeStruct(shape, dt)
+    return jnp.asarray(make(shape))
+
+  max_abs = 0.06  # ~3 standard deviations of N(0, 0.02²)
+  scale = {"int8": max_abs / 127, "int4": max_abs / 7, "nf4": max_abs}[format]
+  kernels = set()
+  for _, proj in projections(model):
+    layers, rows, out = proj.kernel.shape
+    code_rows, code_dtype = (rows, np.int8) if format == "int8" else (rows // 2, np.uint8)
+    codes = draw((layers, code_rows, out), code_dtype,
+                 lambda s: rng.integers(0, 256, s, dtype=np.uint8).view(code_dtype))
+    scales = draw((layers, rows // block, out), np.float32,
+                  lambda s: (rng.uniform(0.5, 1.5, s) * scale).astype(np.float32))
+    proj.kernel = QuantizedKernel(QuantizedTensor(codes=codes, scales=scales, format=format, block=block))
+    kernels.add(id(proj.kernel))
+  for path, variable in nnx.iter_graph(model):
+    if not isinstance(variable, nnx.Param) or id(variable) in kernels:
+      continue
+    shape = tuple(variable.shape)
+    if "norm" in ".".join(map(str, path)):
+      variable.set_value(draw(shape, dtype, lambda s: np.ones(s, dtype)))
+      continue
+
+    def normal(s):
+      out = np.empty(s, dtype)
+      flat = out.reshape(-1, s[-1]) if len(s) > 1 else out.reshape(1, -1)
+      for start in range(0, flat.shape[0], 4096):  # row chunks: no float32 copy of a whole embedding
+        chunk = rng.standard_normal((min(4096, flat.shape[0] - start), flat.shape[1]), dtype=np.float32)
+        flat[start:start + 4096] = (chunk * np.float32(0.02)).astype(dtype)
+      return out
+
+    variable.set_value(draw(shape, dtype, normal))
+  model.quantize = format
+  return model
+
+
+def param_count(tree) -> int:
+  """Weights in `tree`, a quantized kernel counted by its logical (L, in, out) size."""
+  leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, QuantizedTensor))
+  return int(sum(int(np.prod(x.shape)) for x in leaves))
+
+
+def tree_bytes(tree) -> int:
+  """Bytes of every array in `tree` as stored (quantized codes and scales included)."""
+  return int(sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
