@@ -16,7 +16,7 @@ import time
 import pytest
 
 from hide_torch import PRELUDE
-from test_train import ROOT, base_args, run_cli, small_data, tiny_dir  # noqa: F401 (fixtures)
+from test_train import ROOT, base_args, run_cli
 
 from jaxsft import tracking
 
