@@ -172,8 +172,10 @@ def read_hf_config(folder: str | os.PathLike, *, architecture_only: bool = False
   config_path = pathlib.Path(folder) / "config.json"
   try:
     hf_config = json.loads(config_path.read_text())
-  except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
-    raise ModelError(f"{config_path}: invalid JSON ({getattr(e, 'msg', None) or e})") from None
+  except json.JSONDecodeError as e:
+    raise ModelError(f"{config_path}: line {e.lineno}: invalid JSON ({e.msg})") from None
+  except (RecursionError, UnicodeDecodeError) as e:
+    raise ModelError(f"{config_path}: invalid JSON ({e})") from None
   if not isinstance(hf_config, dict):
     raise ModelError(f"{config_path}: expected a JSON object, got {type(hf_config).__name__}")
   try:
