@@ -589,7 +589,10 @@ def account_collation(run: Run, keys: tuple[str, ...]) -> None:
   (over the planned steps) for summary.json; logs the choice (auto: with its runners-up)."""
   cfg, data = run.cfg, run.data
   size_for = collation_lib.batch_size_rule(cfg.data, run.mesh.batch_multiple_of)
-  cost = collation_lib.fit_from_steps(run.steps, data.shapes, keys, fused=cfg.optim.grad_accum == 1)
+  if jax.process_count() > 1:  # timing copies the state; across processes it is not addressable here
+    cost = data_lib.cost.DEFAULT_COST
+  else:
+    cost = collation_lib.fit_from_steps(run.steps, data.shapes, keys, fused=cfg.optim.grad_accum == 1)
   epochs = data_lib.cost.epochs_planned(data.batches_per_epoch, epochs=cfg.epochs, max_steps=cfg.max_steps,
                                         grad_accum=cfg.optim.grad_accum)
   lengths = data.train_tokens.lengths
