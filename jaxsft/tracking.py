@@ -11,7 +11,7 @@ W&B show the values metrics.jsonl holds, by construction.
 
 A tracker is three calls, `scalars(step, values)`, `text(tag, text, step)` and `close()`:
 
-- `TensorBoard`: tensorboardX event files in RUN_DIR/tensorboard, flushed after every record
+- `TensorBoard`: tensorboardX event files in RUN_DIR/tensorboard, on disk after every record
   (a live view, and nothing a checkpoint covers is lost to a kill). A resumed run opens its
   writer with `purge_step` = the first step it redoes: the SessionLog.START event it writes
   makes TensorBoard's reader drop every older event at or after that step, so the steps a
@@ -36,6 +36,7 @@ import os
 import pathlib
 import secrets
 import sys
+import time
 from typing import Protocol
 
 log = logging.getLogger("jaxsft.tracking")
@@ -68,7 +69,7 @@ class Tracker(Protocol):
 
 
 class _HideTorch:
-  """An import finder under which `import torch` fails (see `import_summary_writer`)."""
+  """An import finder under which `import torch` fails (see `import_tensorboardx`)."""
 
   def find_spec(self, name, path=None, target=None):
     if name == "torch" or name.startswith("torch."):
@@ -76,43 +77,59 @@ class _HideTorch:
     return None
 
 
-def import_summary_writer():
-  """tensorboardX's `SummaryWriter`, imported without torch.
+def import_tensorboardx():
+  """tensorboardX's `summary`, `event_file_writer` and `event_pb2` modules, imported without torch.
 
   tensorboardX imports torch whenever it is installed, only to accept torch tensors (jaxsft
   hands it Python floats); that import costs seconds and hundreds of MB of a JAX run.
   """
-  if "tensorboardX" in sys.modules or "torch" in sys.modules:
-    from tensorboardX import SummaryWriter
-
-    return SummaryWriter
-  finder = _HideTorch()
-  sys.meta_path.insert(0, finder)
+  finder = None
+  if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
+    finder = _HideTorch()
+    sys.meta_path.insert(0, finder)
   try:
-    from tensorboardX import SummaryWriter
+    from tensorboardX import event_file_writer, summary
+    from tensorboardX.proto import event_pb2
   finally:
-    sys.meta_path.remove(finder)
-  return SummaryWriter
+    if finder is not None:
+      sys.meta_path.remove(finder)
+  return summary, event_file_writer, event_pb2
 
 
 class TensorBoard:
-  """tensorboardX event files under `logdir`."""
+  """tensorboardX event files under `logdir`, written by the calling thread.
+
+  tensorboardX's `SummaryWriter` hands events to a background thread, and its `flush()` flushes
+  the file but not the events still queued for that thread: a run killed right after a record
+  could lose steps its checkpoint covers. `EventsWriter` writes in the caller, so `flush()`
+  after each record puts that record on disk.
+  """
 
   def __init__(self, logdir: pathlib.Path, purge_step: int | None):
-    SummaryWriter = import_summary_writer()  # noqa: N806
+    self._summary, event_file_writer, self._event_pb2 = import_tensorboardx()
+    logdir.mkdir(parents=True, exist_ok=True)
     # Event files are named by the second they were opened in; the first step and the process id
     # keep two writers of one second (a kill and a quick resume) from writing the same file.
     suffix = f".step{purge_step or 0:09d}.{os.getpid()}"
-    self.writer = SummaryWriter(str(logdir), purge_step=purge_step, flush_secs=10, filename_suffix=suffix)
+    self.writer = event_file_writer.EventsWriter(str(logdir / "events"), suffix)
+    if purge_step is not None:  # what SummaryWriter(purge_step=) writes: the reader's restart mark
+      self._write(self._event_pb2.Event(step=purge_step, file_version="brain.Event:2"))
+      self._write(self._event_pb2.Event(step=purge_step,
+                                        session_log=self._event_pb2.SessionLog(status=self._event_pb2.SessionLog.START)))
+
+  def _write(self, event) -> None:
+    event.wall_time = time.time()
+    self.writer.write_event(event)
+    self.writer.flush()
 
   def scalars(self, step: int, values: dict[str, float]) -> None:
+    event = self._event_pb2.Event(step=step)
     for name, value in values.items():
-      self.writer.add_scalar(name, value, global_step=step)
-    self.writer.flush()
+      event.summary.value.extend(self._summary.scalar(name, value).value)
+    self._write(event)
 
   def text(self, tag: str, text: str, step: int) -> None:
-    self.writer.add_text(tag, text, global_step=step)
-    self.writer.flush()
+    self._write(self._event_pb2.Event(step=step, summary=self._summary.text(tag, text)))
 
   def close(self) -> None:
     self.writer.close()
