@@ -29,6 +29,10 @@ from jaxsft import export, models
 from jaxsft.models import loading
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+# Gemma 3 here has head_dim 256 (see above) and sqrt(hidden)-scaled embeddings: float32 rounding
+# between torch's and XLA's CPU kernels reaches ~1e-4 on its logits (|logits| up to ~8), and how
+# far depends on the CPU's vector width. The other families keep 1e-4.
+LOGIT_NOISE_FLOOR = {"gemma3_text": 2e-4}
 
 
 def gguf_hf_config(kind):
@@ -78,7 +82,7 @@ def test_gguf_export_loads_in_transformers_to_the_jaxsft_logits(kind, tokenizer,
   same_code, vs_jaxsft = np.abs(got - folder).max(), np.abs(got - want).max()
   print(f"{kind}: transformers from GGUF vs from the folder {same_code:.1e}, vs jaxsft {vs_jaxsft:.1e}")
   assert same_code <= 1e-6
-  assert vs_jaxsft <= 1e-4
+  assert vs_jaxsft <= LOGIT_NOISE_FLOOR.get(kind, 1e-4)
 
 
 def test_transformers_has_no_gguf_reader_for_smollm3_and_olmo2():
