@@ -317,18 +317,19 @@ def jax_parts(workdir, meta, shape, dtype) -> dict:
   ct_h = jnp.asarray(rng.standard_normal((b, t, cfg.hidden_size)), model.dtype)
   sync = jax.block_until_ready
 
-  def decoder(lora_state):
+  # The frozen base is an argument, as in the training step: closed over, XLA would fold it as a constant.
+  def decoder(lora_state, frozen):
     return jnp.vdot(nnx.merge(graphdef, lora_state, frozen).hidden_states(ids, attention_mask=mask), ct_h)
 
-  def full_loss(lora_state):  # the step's loss: the LM head only at trained positions
+  def full_loss(lora_state, frozen):  # the step's loss: the LM head only at trained positions
     m = nnx.merge(graphdef, lora_state, frozen)
     return loss_lib.trained_cross_entropy_sum(m.hidden_states(ids, attention_mask=mask), m.output_embedding(), labels,
                                               chunk_size=step_lib.loss_chunk_size())[0]
 
   forward, decoder_forward, decoder_backward = jax.jit(full_loss), jax.jit(decoder), jax.jit(jax.grad(decoder))
-  parts["forward only (logits + loss)"] = _median_time(lambda: forward(lora_state), sync)
-  parts["decoder layers, forward"] = _median_time(lambda: decoder_forward(lora_state), sync)
-  parts["decoder layers, fwd+bwd (LoRA grads)"] = _median_time(lambda: decoder_backward(lora_state), sync)
+  parts["forward only (logits + loss)"] = _median_time(lambda: forward(lora_state, frozen), sync)
+  parts["decoder layers, forward"] = _median_time(lambda: decoder_forward(lora_state, frozen), sync)
+  parts["decoder layers, fwd+bwd (LoRA grads)"] = _median_time(lambda: decoder_backward(lora_state, frozen), sync)
 
   d, n, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
   q = jnp.asarray(rng.standard_normal((b, t, n, d)), model.dtype)
@@ -355,15 +356,15 @@ def jax_parts(workdir, meta, shape, dtype) -> dict:
   cts = {name: jnp.asarray(rng.standard_normal((b * t, w.shape[1])), model.dtype) for name, w in kernels.items()}
   # value_and_grad: the forward products are needed (a bare grad of this linear function would be
   # just ct @ W^T, which XLA would keep alone).
-  projections = jax.jit(jax.value_and_grad(lambda xs: sum(jnp.vdot(xs[n] @ kernels[n], cts[n]) for n in kernels)))
+  projections = jax.jit(jax.value_and_grad(lambda xs, ws: sum(jnp.vdot(xs[n] @ ws[n], cts[n]) for n in ws)))
   parts[f"frozen projections alone x {cfg.num_layers} layers, fwd+bwd"] = cfg.num_layers * _median_time(
-      lambda: projections(xs), sync)
+      lambda: projections(xs, kernels), sync)
 
   emb = model.output_embedding()
   hidden = jnp.asarray(rng.standard_normal((b, t, cfg.hidden_size)), model.dtype)
-  head = jax.jit(jax.grad(lambda h: loss_lib.trained_cross_entropy_sum(h, emb, labels,
-                                                                      chunk_size=step_lib.loss_chunk_size())[0]))
-  parts[f"LM head + loss ({cfg.vocab_size:,} vocab), fwd+bwd"] = _median_time(lambda: head(hidden), sync)
+  head = jax.jit(jax.grad(lambda h, e: loss_lib.trained_cross_entropy_sum(h, e, labels,
+                                                                         chunk_size=step_lib.loss_chunk_size())[0]))
+  parts[f"LM head + loss ({cfg.vocab_size:,} vocab), fwd+bwd"] = _median_time(lambda: head(hidden, emb), sync)
   return parts
 
 

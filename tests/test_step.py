@@ -79,8 +79,8 @@ def _full_logits_sums(graphdef, params, frozen, batch):
 def _compare_with_full_logits(model, batch, rtol):
   cfg, graphdef, params, frozen, tx, fns, _ = _setup(model)
   acc = jax.jit(fns.accumulate)(fns.zeros(params), params, frozen, batch, np.int32(0))
-  (nll, n), grads = jax.jit(jax.value_and_grad(
-      lambda p: _full_logits_sums(graphdef, p, frozen, batch), has_aux=True))(params)
+  (nll, n), grads = jax.jit(jax.value_and_grad(  # frozen an argument: a closed-over base is constant-folded
+      lambda p, f: _full_logits_sums(graphdef, p, f, batch), has_aux=True))(params, frozen)
   assert int(acc["n_valid"]) == int(n) > 0
   np.testing.assert_allclose(float(acc["nll"]), float(nll), rtol=rtol)
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(acc["grads"])):
