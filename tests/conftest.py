@@ -9,7 +9,6 @@ import logging
 import os
 import pathlib
 import sys
-import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no network at test time
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -20,7 +19,7 @@ import xla_cache  # tests/xla_cache.py
 xla_cache.configure()  # before anything imports JAX
 # Token stores and converted models of the session's runs, its subprocesses' included: a fresh
 # folder, so no test depends on (or fills) the user's ~/.cache/jaxsft.
-os.environ.setdefault("JAXSFT_CACHE", tempfile.mkdtemp(prefix="jaxsft-cache-"))
+xla_cache.session_folder("JAXSFT_CACHE", "jaxsft-cache-")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
