@@ -182,10 +182,19 @@ def _interp(t: float, xs, ys) -> float:
 
 
 def shape_cost(calibration: dict, shape, *, packed: bool, batch_size: int) -> tuple[float, float]:
-  """(compile seconds, step seconds) of one (B, T), from the calibration (rows scale linearly)."""
+  """(compile seconds, step seconds) of one (B, T), from the calibration (rows scale linearly).
+
+  Packed rows are calibrated at one width W (max_length); a packed row of another width T (auto
+  packs into the longest example rounded up, not max_length) costs the padded row of width T
+  times the packed / padded ratio measured at W: the two run the same ops on the same shape, the
+  packed one masking by segment."""
+  if packed:
+    (point,) = [p for p in calibration["points"] if p["packed"]]
+    if shape[1] != point["shape"][1]:
+      compile_s, step_s = shape_cost(calibration, shape, packed=False, batch_size=batch_size)
+      padded_compile_s, padded_step_s = shape_cost(calibration, point["shape"], packed=False, batch_size=batch_size)
+      return compile_s * point["compile_s"] / padded_compile_s, step_s * point["step_s"] / padded_step_s
   pts = [p for p in calibration["points"] if p["packed"] == packed]
-  if packed and shape[1] != pts[0]["shape"][1]:
-    raise ValueError(f"packed shape {shape} was not calibrated")
   xs = [p["shape"][1] for p in pts]
   compile_s = _interp(shape[1], xs, [p["compile_s"] for p in pts])
   step_s = _interp(shape[1], xs, [p["step_s"] for p in pts]) * shape[0] / batch_size

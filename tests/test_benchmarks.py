@@ -68,6 +68,18 @@ def test_interpolation_is_linear_between_and_beyond_points():
   assert collation.pow2_buckets(600) == [32, 64, 128, 256, 512, 600]
 
 
+def test_a_packed_row_of_an_uncalibrated_width_costs_the_padded_row_times_the_packed_ratio():
+  """auto packs into the longest example rounded up, narrower than the one packed width measured."""
+  def point(t, packed, compile_s, step_s):
+    return {"shape": [8, t], "packed": packed, "compile_s": compile_s, "step_s": step_s}
+
+  calibration = {"points": [point(256, False, 2.0, 1.0), point(512, False, 4.0, 3.0), point(512, True, 5.0, 3.6)]}
+  assert collation.shape_cost(calibration, (8, 512), packed=True, batch_size=8) == (5.0, 3.6)
+  compile_s, step_s = collation.shape_cost(calibration, (8, 384), packed=True, batch_size=8)
+  assert compile_s == pytest.approx(3.0 * 5.0 / 4.0) and step_s == pytest.approx(2.0 * 3.6 / 3.0)
+  assert collation.shape_cost(calibration, (4, 384), packed=True, batch_size=8)[1] == pytest.approx(step_s / 2)
+
+
 def test_vs_torch_runs_both_frameworks_on_the_same_batches():
   """jaxsft, torch eager + peft, and the peers that are installed (TRL, Tunix: the `bench` extra)."""
   pytest.importorskip("torch")
