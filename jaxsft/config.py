@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import pathlib
 import sys
@@ -281,6 +282,7 @@ def fields(cls=TrainConfig, prefix="") -> dict[str, tuple[Any, str]]:
   return out
 
 
+@functools.cache  # parsing the source is slow, and every parse of a command line asks for every class
 def _field_docs(cls) -> dict[str, str]:
   """Attribute docstrings (the string literal after a field) from the source."""
   import ast
