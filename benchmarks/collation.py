@@ -30,7 +30,11 @@ step's two costs per shape and composes each mode's end-to-end time from them:
 
   end_to_end(mode) = pipeline seconds + compile(zeros, apply)
                      + sum over the shapes (B, T) it compiles of compile_seconds(B, T)
-                     + sum over its batches of step_seconds(B, T)
+                     + sum over its batches of step_seconds(B, T) + h * trained tokens
+
+step_seconds(B, T) is the step with no label trained and h the extra seconds per trained token
+(the LM head and loss run only on trained positions; both timed per shape, as the trainer's probe
+does), so a mode is charged for the labels the data trains, not for every position.
 
 compile_seconds and step_seconds are measured at B = batch size and T on a grid (32, 64, ...,
 max_length; a fresh AOT compile each, the median of `--reps` steps), and interpolated linearly in T
@@ -142,7 +146,10 @@ def fake_batch(shape, *, packed: bool, rng, vocab_size: int) -> dict:
 
 def calibrate(model, cfg, *, batch_size: int, lengths, max_length: int, reps: int, log=print) -> dict:
   """Fresh compile seconds and median step seconds of jaxsft's step at (batch_size, T) for T in
-  `lengths`, and at (batch_size, max_length) with packed inputs."""
+  `lengths`, and at (batch_size, max_length) with packed inputs; each shape timed with no label
+  trained and with every label trained, as the trainer's own probe does (the LM head and loss run
+  only on trained positions, so a step's cost depends on how many the data trains).
+  `per_trained_token_s`: the mean of (trained - untrained) / (B·T) over the padded shapes."""
   step = common.JaxsftStep(model, cfg)
   fixed = step.warm_up([])  # zeros + the optimizer update: once per run whatever the shapes
   rng = np.random.default_rng(0)
@@ -151,19 +158,25 @@ def calibrate(model, cfg, *, batch_size: int, lengths, max_length: int, reps: in
     shape = (batch_size, t)
     compiled = step.warm_up([shape], packed=packed)
     batch = fake_batch(shape, packed=packed, rng=rng, vocab_size=model.config.vocab_size)
-    times = []
-    for _ in range(reps):
-      t0 = time.perf_counter()
-      step.step(batch)
-      times.append(time.perf_counter() - t0)
+    untrained = dict(batch, labels=np.full(shape, -100, np.int32))
+    times, untrained_times = [], []
+    for _ in range(reps):  # interleaved, so a slow moment of the machine hits both alike
+      for b, out in ((batch, times), (untrained, untrained_times)):
+        t0 = time.perf_counter()
+        step.step(b)
+        out.append(time.perf_counter() - t0)
     points.append({"shape": list(shape), "packed": packed, "compile_s": compiled["seconds"],
                    "xla_compile_s": compiled["xla_seconds"], "compiles": compiled["compiles"],
-                   "step_s": float(np.median(times)), "step_times": times})
+                   "step_s": float(np.median(times)), "step_times": times,
+                   "untrained_step_s": float(np.median(untrained_times)), "untrained_step_times": untrained_times})
     log(f"  calibrate {'packed ' if packed else ''}{shape}: compile {compiled['seconds']:.1f}s, "
-        f"step {np.median(times):.3f}s ({reps} reps)")
+        f"step {np.median(times):.3f}s every label trained, {np.median(untrained_times):.3f}s none ({reps} reps)")
   if step.recompiles:
     raise RuntimeError(f"calibration recompiled {step.recompiles} times after warm-up: {step.steps.unexpected_shapes}")
-  return {"fixed_compile_s": fixed["seconds"], "fixed_compiles": fixed["compiles"], "points": points}
+  padded = [p for p in points if not p["packed"]]
+  per_trained = float(np.mean([(p["step_s"] - p["untrained_step_s"]) / (p["shape"][0] * p["shape"][1]) for p in padded]))
+  return {"fixed_compile_s": fixed["seconds"], "fixed_compiles": fixed["compiles"], "points": points,
+          "per_trained_token_s": max(per_trained, 0.0)}
 
 
 def _interp(t: float, xs, ys) -> float:
@@ -182,7 +195,8 @@ def _interp(t: float, xs, ys) -> float:
 
 
 def shape_cost(calibration: dict, shape, *, packed: bool, batch_size: int) -> tuple[float, float]:
-  """(compile seconds, step seconds) of one (B, T), from the calibration (rows scale linearly).
+  """(compile seconds, step seconds with no label trained) of one (B, T), from the calibration
+  (rows scale linearly; `compose` adds the trained tokens' share).
 
   Packed rows are calibrated at one width W (max_length); a packed row of another width T (auto
   packs into the longest example rounded up, not max_length) costs the padded row of width T
@@ -193,19 +207,22 @@ def shape_cost(calibration: dict, shape, *, packed: bool, batch_size: int) -> tu
     if shape[1] != point["shape"][1]:
       compile_s, step_s = shape_cost(calibration, shape, packed=False, batch_size=batch_size)
       padded_compile_s, padded_step_s = shape_cost(calibration, point["shape"], packed=False, batch_size=batch_size)
-      return compile_s * point["compile_s"] / padded_compile_s, step_s * point["step_s"] / padded_step_s
+      return compile_s * point["compile_s"] / padded_compile_s, step_s * point["untrained_step_s"] / padded_step_s
   pts = [p for p in calibration["points"] if p["packed"] == packed]
   xs = [p["shape"][1] for p in pts]
   compile_s = _interp(shape[1], xs, [p["compile_s"] for p in pts])
-  step_s = _interp(shape[1], xs, [p["step_s"] for p in pts]) * shape[0] / batch_size
+  step_s = _interp(shape[1], xs, [p["untrained_step_s"] for p in pts]) * shape[0] / batch_size
   return compile_s, step_s
 
 
 def compose(summary: dict, shapes, calibration: dict, *, packed: bool, batch_size: int) -> dict:
-  """A mode's costs from its shapes and batches (see the module docstring)."""
+  """A mode's costs from its shapes and batches (see the module docstring): each batch's step with
+  no label trained, plus the calibration's seconds per trained token times the epoch's trained
+  tokens (the same in every mode)."""
   compile_s = sum(shape_cost(calibration, s, packed=packed, batch_size=batch_size)[0]
                   for s in summary["compiled_shapes"])
   step_s = sum(shape_cost(calibration, s, packed=packed, batch_size=batch_size)[1] for s in shapes)
+  step_s += calibration["per_trained_token_s"] * summary["trained"]
   return {
       "compiles": calibration["fixed_compiles"] + len(summary["compiled_shapes"]),
       "compile_s": calibration["fixed_compile_s"] + compile_s,
@@ -242,11 +259,14 @@ def measure(model, cfg, records, tokenizer, mode: str, *, max_length: int, batch
 
 def fit_cost(calibration: dict):
   """The cost model (`jaxsft.data.cost.StepCost`) least-squares fitted to the padded calibration
-  points: step seconds a + b·B·T + c·B·T², compile seconds p + q·T."""
+  points as the trainer fits it: step seconds a + b·B·T + c·B·T² with no label trained, h per
+  trained token, compile seconds p + q·T."""
   from jaxsft.data.cost import fit_step_cost
 
   points = [p for p in calibration["points"] if not p["packed"]]
-  return fit_step_cost([(*p["shape"], p["step_s"]) for p in points], [(*p["shape"], p["compile_s"]) for p in points])
+  return fit_step_cost([(*p["shape"], p["untrained_step_s"]) for p in points],
+                       [(*p["shape"], p["compile_s"]) for p in points],
+                       [(*p["shape"], p["step_s"]) for p in points])
 
 
 def choose_auto(tokenized, cost, *, max_length: int, batch_size: int, trained: int) -> dict:
@@ -268,7 +288,8 @@ def predict(summary: dict, shapes, cost, calibration: dict) -> dict:
   `cost`, plus the same pipeline and one-off compile seconds as the composed figure."""
   from jaxsft.data.cost import plan_seconds
 
-  seconds = plan_seconds(cost, collections.Counter(map(tuple, shapes)), [tuple(s) for s in summary["compiled_shapes"]])
+  seconds = plan_seconds(cost, collections.Counter(map(tuple, shapes)), [tuple(s) for s in summary["compiled_shapes"]],
+                         trained_tokens=summary["trained"])
   return {"step_s": seconds.steps, "compile_s": calibration["fixed_compile_s"] + seconds.compiles,
           "end_to_end_s": summary["pipeline_s"] + calibration["fixed_compile_s"] + seconds.total}
 
@@ -439,12 +460,16 @@ def markdown(result: dict, command: str) -> str:
   lines += ["", f"## Per-shape costs (B = {result['batch_size']}; calibration took {cal['seconds']:.0f} s)", "",
             f"Compiling `zeros` + the optimizer update once per run: {cal['fixed_compile_s']:.1f} s "
             f"({cal['fixed_compiles']} compiles).", "",
-            "| T | inputs | compile s (wall) | XLA compile s | step s (median of "
-            f"{result['reps']}) | padded tok/s |", "| ---: | --- | ---: | ---: | ---: | ---: |"]
+            f"Seconds per trained token (the LM head and loss, which run only where a label is trained; "
+            f"mean of (every label - none) / (B·T) over the padded shapes): {cal['per_trained_token_s'] * 1e6:.1f} µs.", "",
+            "| T | inputs | compile s (wall) | XLA compile s | step s, every label trained (median of "
+            f"{result['reps']}) | step s, none trained | padded tok/s (every label) |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
   for p in cal["points"]:
     b, t = p["shape"]
     lines.append(f"| {t} | {'packed (segment ids)' if p['packed'] else 'padded'} | {p['compile_s']:.1f} | "
-                 f"{p['xla_compile_s']:.1f} | {p['step_s']:.3f} | {b * t / p['step_s']:,.0f} |")
+                 f"{p['xla_compile_s']:.1f} | {p['step_s']:.3f} | {p['untrained_step_s']:.3f} | "
+                 f"{b * t / p['step_s']:,.0f} |")
   if result["validation"]:
     lines += ["", "## Composed against measured (real runs: pipeline, compiles, every batch)", "",
               "| data | mode | batches | compiles | measured end to end s | composed s | measured / composed | "

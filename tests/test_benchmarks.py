@@ -71,7 +71,7 @@ def test_interpolation_is_linear_between_and_beyond_points():
 def test_a_packed_row_of_an_uncalibrated_width_costs_the_padded_row_times_the_packed_ratio():
   """auto packs into the longest example rounded up, narrower than the one packed width measured."""
   def point(t, packed, compile_s, step_s):
-    return {"shape": [8, t], "packed": packed, "compile_s": compile_s, "step_s": step_s}
+    return {"shape": [8, t], "packed": packed, "compile_s": compile_s, "untrained_step_s": step_s, "step_s": 2 * step_s}
 
   calibration = {"points": [point(256, False, 2.0, 1.0), point(512, False, 4.0, 3.0), point(512, True, 5.0, 3.6)]}
   assert collation.shape_cost(calibration, (8, 512), packed=True, batch_size=8) == (5.0, 3.6)
