@@ -11,6 +11,8 @@ Every refusal class derives from `JaxsftError`; each keeps the builtin base it h
 from __future__ import annotations
 
 import errno
+import os
+import re
 import sys
 from typing import Callable
 
@@ -19,8 +21,14 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
 # OSErrors that say something about the machine or the user's paths, not about jaxsft.
-ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT,
-                                errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.EMFILE})
+ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS,
+                                errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG,
+                                errno.EMFILE})
+# Libraries that raise their own error type for a failed write keep the OS error number only in
+# the text: tensorstore (orbax's checkpoints) ends with "No space left on device
+# [os_error_code='28']", Rust's std::io::Error (safetensors, tokenizers) with "(os error 28)".
+_ERRNO_IN_TEXT = re.compile(r"\[os_error_code='(\d+)'\]|\(os error (\d+)\)")
+_PATH_IN_TEXT = re.compile(r'Failed (?:writing|reading): "([^"]+)"')
 
 
 class JaxsftError(Exception):
@@ -31,14 +39,29 @@ class ModelError(JaxsftError, ValueError):
   """A model jaxsft cannot load: an unsupported architecture or a malformed config or weights file."""
 
 
+class _OSErrorInText(OSError):
+  """An OS error read from another error's text; `carrier` names that error's type."""
+
+  carrier = ""
+
+
 def environment_failure(error: BaseException) -> OSError | None:
   """The OSError behind `error` (itself, or along its cause/context chain) when it is an
-  environment failure (disk full, permission, missing path); None otherwise."""
+  environment failure (disk full, permission, missing path); None otherwise. A library error
+  that names the OS error only in its text (see `_ERRNO_IN_TEXT`) counts as that OSError."""
   seen = set()
   while error is not None and id(error) not in seen:
     seen.add(id(error))
     if isinstance(error, OSError) and error.errno in ENVIRONMENT_ERRNOS:
       return error
+    if not isinstance(error, OSError):
+      found = _ERRNO_IN_TEXT.search(str(error))
+      code = int(next(g for g in found.groups() if g)) if found else None
+      if code in ENVIRONMENT_ERRNOS:
+        path = _PATH_IN_TEXT.search(str(error))
+        failure = _OSErrorInText(code, os.strerror(code), path.group(1) if path else None)
+        failure.carrier = type(error).__name__
+        return failure
     error = error.__cause__ or error.__context__
   return None
 
@@ -53,7 +76,12 @@ def refusal_message(error: BaseException) -> str | None:
   if failure is not None:
     reason = failure.strerror or str(failure)
     where = f": {failure.filename}" if failure.filename else ""
-    context = "" if failure is error else f" ({type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]})"
+    if failure is error:
+      context = ""
+    elif isinstance(failure, _OSErrorInText):  # the library's own text repeats the path and the reason
+      context = f" ({failure.carrier})"
+    else:
+      context = f" ({type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]})"
     return f"{reason}{where}{context}"
   return None
 

@@ -65,6 +65,35 @@ def test_run_cli_turns_refusals_and_environment_failures_into_one_line(capsys):
   assert errors.run_cli(lambda: None) == 0 and errors.run_cli(lambda: 3) == 3
 
 
+def test_library_errors_that_name_an_os_error_in_their_text_are_environment_failures(capsys):
+  """tensorstore (orbax's checkpoint writes) and Rust's io::Error (safetensors) raise their own
+  types on a full disk; the OS error is only in the text. Other errors of those types stay bugs."""
+
+  class SafetensorError(Exception):
+    pass
+
+  def checkpoint_write():
+    raise ValueError('RESOURCE_EXHAUSTED: Error writing "opt_state.mu/0.0.0" in OCDBT database at local file '
+                     '"/runs/x/checkpoints/3.orbax-checkpoint-tmp/state/": Failed writing: "/runs/x/checkpoints/'
+                     '3.orbax-checkpoint-tmp/state/d/67e1": Failed to write 21961 bytes to file 6: No space left on '
+                     "device [os_error_code='28']")
+
+  def adapter_write():
+    raise SafetensorError("Error while serializing: I/O error: File too large (os error 27)")
+
+  assert errors.run_cli(checkpoint_write) == 2
+  assert error_line(capsys) == ("error: No space left on device: /runs/x/checkpoints/3.orbax-checkpoint-tmp/state/d/67e1 "
+                                "(ValueError)")
+  assert errors.run_cli(adapter_write) == 2
+  assert error_line(capsys) == "error: File too large (SafetensorError)"
+
+  def not_the_environment():
+    raise SafetensorError("Error while deserializing header: invalid argument (os error 22)")
+
+  with pytest.raises(SafetensorError):
+    errors.run_cli(not_the_environment)
+
+
 def test_refusal_classes_keep_their_builtin_bases():
   from jaxsft import chat, config, export, generate, run_files, sharding, train
   from jaxsft.data import DataError
