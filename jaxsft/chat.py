@@ -36,6 +36,8 @@ class ChatError(JaxsftError):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+  from jaxsft.quant import QUANTIZE_CHOICES
+
   parser = argparse.ArgumentParser(prog="python -m jaxsft.chat", description=__doc__.split("\n\n")[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter,
                                    epilog=__doc__.split("\n\n", 1)[1])
@@ -47,6 +49,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None,
                       help="compute dtype (default: the run's, else float32; auto: bfloat16 on a GPU/TPU, "
                       "float32 on a CPU)")
+  parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=None,
+                      help="with --model: store the base's projection kernels block-quantized, as a QLoRA "
+                      "run (model.quantize) trained the adapter (default: none; a RUN_DIR brings its own)")
+  parser.add_argument("--quant-block-size", type=int, default=None,
+                      help="with --quantize int8/nf4/int4: inputs per quantization block (default: 64)")
   parser.add_argument("--system", help="a system prompt for the conversation")
   parser.add_argument("--prompt", help="one user message: print the reply and exit")
   parser.add_argument("--input", help="batch mode: a data file of prompts (JSON/JSONL, .gz)")
@@ -62,6 +69,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.error("give RUN_DIR or --model (one of them)")
   if args.adapter and args.run_dir:
     parser.error("--adapter goes with --model; a RUN_DIR brings its own adapter")
+  if args.run_dir and (args.quantize is not None or args.quant_block_size is not None):
+    parser.error("--quantize goes with --model; a RUN_DIR loads its base quantized as the run trained it")
+  if args.quant_block_size is not None and args.quant_block_size < 1:
+    parser.error("--quant-block-size must be >= 1")
   if (args.input is None) != (args.output is None):
     parser.error("batch mode needs both --input and --output")
   if args.input and args.prompt:
@@ -118,7 +129,8 @@ def load_from_args(args):
     source = resolve_run(args.run_dir)
     return load(source["model"], source["adapter"], args.dtype or source["dtype"], source.get("quantize", "none"),
                 source.get("quant_block_size", 64))
-  return load(args.model, args.adapter, args.dtype or "float32")
+  return load(args.model, args.adapter, args.dtype or "float32", args.quantize or "none",
+              args.quant_block_size or 64)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -99,6 +99,25 @@ def test_sampling_is_seeded(tiny, run_cli):
   assert a.stdout == b.stdout and a.stdout != c.stdout
 
 
+def test_quantize_loads_the_base_as_a_qlora_run_trained_the_adapter(tiny, run_cli):
+  """--model --adapter --quantize nf4 replies as the adapter on the nf4 base does (not the float
+  base's reply), and a RUN_DIR, which brings its own quantization, refuses the flag."""
+  from jaxsft import lora
+
+  messages = [{"role": "user", "content": "Hello there"}]
+  model, tok = lora.load_with_adapter(str(tiny["model_dir"]), str(tiny["adapter"]), dtype="float32", quantize="nf4",
+                                      quant_block_size=32)
+  want = generate(model, tok, [messages], max_new_tokens=NEW)[0]
+  r = chat_main(run_cli, "--model", tiny["model_dir"], "--adapter", tiny["adapter"], "--quantize", "nf4",
+                "--quant-block-size", 32, "--max-new-tokens", NEW, "--prompt", "Hello there")
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert r.stdout == want + "\n"
+  float_reply = reply_to(tiny, messages)
+  assert want != float_reply  # nf4 rounding moves this tiny random model's reply: the flag reached the load
+  refused = chat_main(run_cli, tiny["run"], "--quantize", "nf4", "--prompt", "hi")
+  assert refused.returncode == 2 and "--quantize goes with --model" in refused.stderr
+
+
 def test_bad_inputs_exit_2_with_a_clear_line(tiny, tmp_path, tokenizer, run_cli):
   import dataclasses
 
