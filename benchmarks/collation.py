@@ -296,8 +296,11 @@ def predict(summary: dict, shapes, cost, calibration: dict) -> dict:
 
 # --------------------------------------------------------------------------- the study
 def run_study(*, datasets, model_name: str, examples: int, max_length: int, batch_size: int, grid, reps: int,
-              validate=(), dtype: str = "float32", seed: int = 0, log=print) -> dict:
-  """Counts for every dataset x mode, per-shape calibration, composed costs, optional real runs."""
+              validate=(), dtype: str = "float32", seed: int = 0, log=print, earlier: dict | None = None) -> dict:
+  """Counts for every dataset x mode, per-shape calibration, composed costs, optional real runs.
+
+  `earlier`: a result of this study on the same model and machine whose calibration is reused
+  (no shape is timed again) and whose real runs are kept, but for the pairs `validate` runs anew."""
   import jax
 
   tokenizer = common.load_tokenizer()
@@ -330,9 +333,15 @@ def run_study(*, datasets, model_name: str, examples: int, max_length: int, batc
   log(f"timed model: {result['model_description']} ({jax.default_backend()}, {dtype})")
   model = common.load_jax_model(model_name, dtype=dtype, seed=seed)
   cfg = common.train_config()
-  t0 = time.perf_counter()
-  calibration = calibrate(model, cfg, batch_size=batch_size, lengths=grid, max_length=max_length, reps=reps, log=log)
-  calibration["seconds"] = time.perf_counter() - t0
+  if earlier is not None:
+    calibration = earlier["calibration"]
+    result["calibration_from"] = {"load_average_at_start": earlier["machine"].get("load_average"),
+                                  "seconds": earlier.get("seconds")}
+    log(f"calibration reused ({len(calibration['points'])} shapes)")
+  else:
+    t0 = time.perf_counter()
+    calibration = calibrate(model, cfg, batch_size=batch_size, lengths=grid, max_length=max_length, reps=reps, log=log)
+    calibration["seconds"] = time.perf_counter() - t0
   result["calibration"] = calibration
   cost = fit_cost(calibration)
   result["cost"] = cost.to_dict()
@@ -356,18 +365,21 @@ def run_study(*, datasets, model_name: str, examples: int, max_length: int, batc
       summary["distinct_shapes"] = [list(s) for s in summary["distinct_shapes"]]
       summary["compiled_shapes"] = [list(s) for s in summary["compiled_shapes"]]
 
-  result["validation"] = []
+  rerun = {tuple(item.rsplit(":", 1)) for item in validate}
+  result["validation"] = [dict(v, run="earlier") for v in (earlier or {}).get("validation", [])
+                          if (v["dataset"], v["mode"]) not in rerun]
   for item in validate:
     name, mode = item.rsplit(":", 1)
     if name not in records_of or mode not in MODES:
       raise SystemExit(f"--validate {item!r}: dataset must be one of {list(records_of)} and mode one of {MODES}")
     jax.clear_caches()
+    load = [round(x, 2) for x in __import__("os").getloadavg()]  # another process beside a run inflates it
     auto = result["datasets"][name]["auto"]
     length = auto["max_length"] if mode == "auto" else max_length
     measured = measure(model, cfg, records_of[name], tokenizer, mode, max_length=length, batch_size=batch_size,
                        seed=seed, tokenized=tokenized_of[name].with_max_length(length), auto=auto["batching"])
     summary = result["datasets"][name]["modes"][mode]
-    result["validation"].append({"dataset": name, "mode": mode, "measured": measured,
+    result["validation"].append({"dataset": name, "mode": mode, "measured": measured, "load_average_at_start": load,
                                  "composed_end_to_end_s": summary["composed"]["end_to_end_s"],
                                  "predicted_end_to_end_s": summary["predicted"]["end_to_end_s"]})
     log(f"validate {name} {mode}: measured {measured['end_to_end_s']:.1f}s, composed "
@@ -457,7 +469,10 @@ def markdown(result: dict, command: str) -> str:
                  f"{f['fastest_end_to_end']} | "
                  f"{f['k8_over_static']:.2f} | {f['k8_over_dynamic']:.2f} | "
                  f"{'yes' if f['k8_beats_static_and_dynamic'] else 'NO'} |")
-  lines += ["", f"## Per-shape costs (B = {result['batch_size']}; calibration took {cal['seconds']:.0f} s)", "",
+  reused = (f"; reused from an earlier run of this command that took {result['calibration_from']['seconds']:.0f} s "
+            f"in all, load at its start {result['calibration_from']['load_average_at_start']}"
+            if "calibration_from" in result else "")
+  lines += ["", f"## Per-shape costs (B = {result['batch_size']}; calibration took {cal['seconds']:.0f} s{reused})", "",
             f"Compiling `zeros` + the optimizer update once per run: {cal['fixed_compile_s']:.1f} s "
             f"({cal['fixed_compiles']} compiles).", "",
             f"Seconds per trained token (the LM head and loss, which run only where a label is trained; "
@@ -472,12 +487,13 @@ def markdown(result: dict, command: str) -> str:
                  f"{b * t / p['step_s']:,.0f} |")
   if result["validation"]:
     lines += ["", "## Composed against measured (real runs: pipeline, compiles, every batch)", "",
-              "| data | mode | batches | compiles | measured end to end s | composed s | measured / composed | "
-              "predicted s | predicted / measured |",
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "| data | mode | load at start (1/5/15 min) | batches | compiles | measured end to end s | composed s | "
+              "measured / composed | predicted s | predicted / measured |",
+              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for v in result["validation"]:
       m = v["measured"]
-      lines.append(f"| {v['dataset']} | {v['mode']} | {m['batches']} | {m['compiles']} | {m['end_to_end_s']:.1f} | "
+      load = "/".join(f"{x:.1f}" for x in v["load_average_at_start"]) if "load_average_at_start" in v else "not recorded"
+      lines.append(f"| {v['dataset']} | {v['mode']} | {load} | {m['batches']} | {m['compiles']} | {m['end_to_end_s']:.1f} | "
                    f"{v['composed_end_to_end_s']:.1f} | {m['end_to_end_s'] / v['composed_end_to_end_s']:.2f} | "
                    f"{v['predicted_end_to_end_s']:.1f} | {v['predicted_end_to_end_s'] / m['end_to_end_s']:.2f} |")
   return "\n".join(lines) + "\n"
@@ -568,7 +584,19 @@ def main(argv=None) -> int:
   parser.add_argument("--datasets", nargs="+", default=[*common.SHARED_FILES, common.BUILTIN])
   parser.add_argument("--quick", action="store_true", help="128 records, grid 64/256/max_length, 1 rep, no validation")
   parser.add_argument("--suffix", default="", help="result file suffix, e.g. _gpu")
+  parser.add_argument("--calibration-from", default=None, metavar="RESULT_JSON",
+                      help="reuse the per-shape timings (and keep the real runs) of an earlier result of the same "
+                      "model and settings; only --validate's runs are timed (e.g. to re-run one on a quieter machine)")
   args = parser.parse_args(argv)
+  earlier = None
+  if args.calibration_from:
+    import json
+
+    earlier = json.loads(open(args.calibration_from).read())
+    for key in ("model", "dtype", "examples", "max_length", "batch_size"):
+      if earlier[key] != getattr(args, key):
+        raise SystemExit(f"--calibration-from {args.calibration_from}: {key} is {earlier[key]!r} there, "
+                         f"{getattr(args, key)!r} here")
   grid = args.grid
   if args.quick:
     args.examples, args.reps = min(args.examples, 128), 1
@@ -581,7 +609,7 @@ def main(argv=None) -> int:
   start = time.perf_counter()
   result = run_study(datasets=args.datasets, model_name=args.model, examples=args.examples, max_length=args.max_length,
                      batch_size=args.batch_size, grid=grid, reps=args.reps, validate=args.validate, dtype=args.dtype,
-                     log=lambda s: print(s, flush=True))
+                     log=lambda s: print(s, flush=True), earlier=earlier)
   result["seconds"] = time.perf_counter() - start
   result["load_average_at_end"] = list(__import__("os").getloadavg())
   command = "python -m benchmarks.collation " + " ".join(a if " " not in a else repr(a) for a in (argv or sys.argv[1:]))
