@@ -17,6 +17,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repo
 from benchmarks import collation, common  # noqa: E402
 
 
+@pytest.mark.slow
 def test_collation_study_counts_composes_and_validates(tmp_path, no_compile_cache):
   name = "oasst_top_paths.jsonl"
   result = collation.run_study(datasets=[name, common.BUILTIN], model_name="tiny", examples=16, max_length=128, batch_size=4,
@@ -80,6 +81,7 @@ def test_a_packed_row_of_an_uncalibrated_width_costs_the_padded_row_times_the_pa
   assert collation.shape_cost(calibration, (4, 384), packed=True, batch_size=8)[1] == pytest.approx(step_s / 2)
 
 
+@pytest.mark.slow
 def test_vs_torch_runs_both_frameworks_on_the_same_batches():
   """jaxsft, torch eager + peft, and the peers that are installed (TRL, Tunix: the `bench` extra)."""
   pytest.importorskip("torch")

@@ -49,6 +49,7 @@ def reply_to(tiny, messages):
   return generate(tiny["model"], tiny["tok"], [messages], max_new_tokens=NEW)[0]
 
 
+@pytest.mark.slow
 def test_two_turn_conversation_through_a_pipe(tiny):
   r = chat(tiny["run"], "--max-new-tokens", NEW, stdin="Hello there\nAnd then?\n/reset\nHello there\n/exit\nnot read\n")
   assert r.returncode == 0, r.stderr[-2000:]
@@ -61,6 +62,7 @@ def test_two_turn_conversation_through_a_pipe(tiny):
   assert r.stdout == f"{first}\n{second}\n{first}\n"  # streamed replies, then /reset forgot the history
 
 
+@pytest.mark.slow
 def test_one_shot_prompt_with_a_system_prompt(tiny):
   r = chat("--model", tiny["model_dir"], "--adapter", tiny["adapter"], "--max-new-tokens", NEW,
            "--system", "Be brief.", "--prompt", "What is 2 + 2?")

@@ -67,6 +67,7 @@ def tiny_run(tmp_path_factory, tokenizer):
   return out
 
 
+@pytest.mark.slow
 def test_auto_run_records_its_choice_predicted_and_measured(tiny_run):
   summary = json.loads((tiny_run / "summary.json").read_text())
   record = summary["collation"]

@@ -41,6 +41,7 @@ def logits_of(path):
     return np.asarray(model(IDS))
 
 
+@pytest.mark.slow
 def test_hf_export_reloads_to_the_tuned_logits(tiny, tokenizer):
   out = export.export(str(tiny["model"]), str(tiny["adapter"]), tiny["root"] / "hf")
   names = sorted(p.name for p in out.iterdir())
@@ -68,6 +69,7 @@ def test_hf_export_shards_past_the_size_limit(tiny):
 @pytest.mark.parametrize("fmt,dtype,atol", [("hf", "bfloat16", 0.05), ("hf", "float16", 5e-3),
                                             ("gguf", "float32", 1e-5), ("gguf", "float16", 5e-3),
                                             ("gguf", "bfloat16", 0.05), ("gguf", "q8_0", 0.1)])
+@pytest.mark.slow
 def test_other_dtypes_round_trip_within_their_rounding(tiny, fmt, dtype, atol):
   out = export.export(str(tiny["model"]), str(tiny["adapter"]), tiny["root"] / f"{fmt}-{dtype}", fmt=fmt, dtype=dtype)
   path = out / "model.gguf" if fmt == "gguf" else out
@@ -77,6 +79,7 @@ def test_other_dtypes_round_trip_within_their_rounding(tiny, fmt, dtype, atol):
   assert (np.argmax(got, -1) == np.argmax(tiny["logits"], -1)).mean() >= 0.75
 
 
+@pytest.mark.slow
 def test_gguf_export_is_in_llama_cpp_layout(tiny):
   """The gguf reader sees llama.cpp's names, the q/k row permutation, metadata and tokenizer."""
   from gguf import GGUFReader
@@ -122,6 +125,7 @@ def cli(*args):
                         capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_cli_exports_a_run_dir_and_refuses_an_existing_out(tiny, tmp_path, run_cli):
   run = make_run_dir(tmp_path / "run", tiny["model"], tiny["adapter"])
   r = cli(run, "--out", tmp_path / "out")
@@ -209,6 +213,7 @@ def family_gguf(request, tmp_path_factory, tokenizer):
   return kind, folder, tensors, out / "model.gguf"
 
 
+@pytest.mark.slow
 def test_family_gguf_reloads_to_the_same_config_and_logits(family_gguf):
   """jaxsft model -> GGUF -> load_causal_lm: the same LlamaConfig and bit-identical float32
   logits (Gemma 3's norms are stored as 1 + w; w may lose its last bit, 1 + w does not)."""

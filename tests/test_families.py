@@ -65,6 +65,7 @@ def test_a_config_of_another_architecture_lists_what_is_supported(tmp_path):
     assert arch in message
 
 
+@pytest.mark.slow
 def test_train_then_chat_on_a_tiny_phi3(tokenizer, tmp_path, train_main, run_cli):
   """The CLI on a family with fused projections: the adapter is saved under PEFT's fused names
   and chat loads base + adapter back (both commands' `main` in-process)."""

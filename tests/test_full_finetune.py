@@ -15,6 +15,7 @@ def weights(folder):
   return load_file(str(folder / "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_full_fine_tuning_trains_every_weight_and_writes_an_hf_model(tiny_dir, small_data, tmp_path, train_main):
   out = tmp_path / "full"
   r = run_cli(base_args(tiny_dir, small_data, out, "--mode", "full", "--lr", "1e-3", "max_steps=6",
@@ -40,6 +41,7 @@ def test_full_fine_tuning_trains_every_weight_and_writes_an_hf_model(tiny_dir, s
   assert [l["step"] for l in read_metrics(out)[0]] == list(range(1, 9))
 
 
+@pytest.mark.slow
 def test_trainable_regex_trains_only_the_matching_params(tiny_dir, small_data, tmp_path, train_main):
   out = tmp_path / "norms"
   r = train_main(base_args(tiny_dir, small_data, out, "--mode", "full", "--trainable", r"layernorm|^norm",

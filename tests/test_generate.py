@@ -26,6 +26,7 @@ def naive_greedy(model, tokenizer, messages, max_new_tokens):
   return tokenizer.decode(out, skip_special_tokens=True)
 
 
+@pytest.mark.slow
 def test_cached_generation_matches_full_recompute(tokenizer):
   # Untied head: a random tied model just repeats its last input token, which hides bugs.
   model = models.init_random(dataclasses.replace(TINY, tie_word_embeddings=False), seed=3)
@@ -38,6 +39,7 @@ def test_cached_generation_matches_full_recompute(tokenizer):
   assert len(set(got)) == 3 and all(got)
 
 
+@pytest.mark.slow
 def test_cached_generation_honours_the_sliding_window(tokenizer):
   # Prompts (chat template included) are several windows long: a cache that ignored the
   # window would attend to keys the full forward cannot see and pick other tokens.

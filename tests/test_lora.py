@@ -33,6 +33,7 @@ def randomize_b(m, seed=0):
   return m
 
 
+@pytest.mark.slow
 def test_init_like_peft_and_starts_equal_to_base():
   m = model()
   base = np.asarray(m(ids()))
@@ -60,6 +61,7 @@ def test_target_modules():
   assert m.layers.mlp.down_proj.lora_a is not None and m.layers.self_attn.k_proj.lora_a is None
 
 
+@pytest.mark.slow
 def test_only_lora_params_are_trainable_and_stay_float32_on_bf16():
   m = lora.apply_lora(model("bfloat16"), r=4)
   x = ids()

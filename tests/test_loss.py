@@ -32,6 +32,7 @@ def random_batch(seed, b=3, t=7, v=11, p_ignore=0.4, dtype=np.float32):
 @hypothesis.settings(deadline=None, max_examples=25)
 @hypothesis.given(seed=st.integers(0, 2**31), b=st.integers(1, 4), t=st.integers(1, 9),
                   v=st.integers(2, 17), p=st.floats(0.0, 1.0))
+@pytest.mark.slow
 def test_cross_entropy_sum_matches_float64_reference(seed, b, t, v, p):
   logits, labels = random_batch(seed, b, t, v, p)
   nll_sum, n_valid = jax.jit(loss.cross_entropy_sum)(logits, labels)

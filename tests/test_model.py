@@ -97,6 +97,7 @@ def test_hf_config_legacy_and_v5_rope_keys_agree():
   assert inv[0] == plain[0] and np.isclose(inv[-1], plain[-1] / 8)  # high freq kept, low freq / factor
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["xla", "einsum"])
 def test_fully_masked_queries_give_no_nan_forward_or_backward(attention):
   model = tiny_model(attention=attention)
@@ -126,6 +127,7 @@ def test_attention_implementations_agree():
   np.testing.assert_allclose(np.asarray(a)[real], np.asarray(b)[real], rtol=2e-5, atol=2e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sliding_window", [None, 3, 6])
 @pytest.mark.parametrize("packed", [False, True])
 def test_causal_block_skipping_equals_dense_attention(sliding_window, packed):
@@ -161,6 +163,7 @@ def test_causal_block_skipping_equals_dense_attention(sliding_window, packed):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sliding_window", [None, 9])
 def test_causal_block_attention_backward_equals_dense_autodiff(sliding_window):
   """The block attention's own (FlashAttention) backward pass gives dense autodiff's gradients
@@ -276,6 +279,7 @@ def test_cached_decoding_equals_the_full_forward(sliding_window):
   np.testing.assert_allclose(got[1, 2:], want[1, 2:], atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["full", "dots", "dots_no_batch"])
 def test_remat_gives_the_same_gradients(remat):
   """Whatever each layer keeps for the backward pass (by default the projections' outputs),

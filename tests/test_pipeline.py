@@ -192,6 +192,7 @@ def test_resume_mid_epoch_gives_identical_batches(records, tokenizer, batching, 
     assert set(state) == {"anchor", "anchor_seen", "consumed", "emitted", "exhausted"}
 
 
+@pytest.mark.slow
 def test_resume_with_workers(records, tokenizer):
   plain = records[:120]  # no tokenized= and explicit buckets: tokenization runs in the workers
   ds = make_batches(plain, tokenizer, max_length=MAX_LENGTH, bucket_lengths=[64, 128, 192, 256], batch_size=4,

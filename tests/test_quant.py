@@ -114,6 +114,7 @@ FAMILY_FORMATS = {"llama": "nf4", "qwen3": "int4", "gemma3_text": "int8", "smoll
                   "olmo2": "int8"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILY_FORMATS))
 def test_quantized_path_equals_the_float_path_on_the_dequantized_weights(family):
   """Loss and LoRA gradients of a quantized base equal those of the same model with the
@@ -233,6 +234,7 @@ def tiny_dir(tmp_path_factory, tokenizer):
   return make_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model", tokenizer)
 
 
+@pytest.mark.slow
 def test_nf4_run_trains_resumes_and_reports_the_base_bytes(tiny_dir, tmp_path, monkeypatch):
   from jaxsft.data import synthetic
   from jaxsft.train import main
@@ -340,6 +342,7 @@ def _worker_fsdp_quantized(out_path):
   pathlib.Path(out_path).write_text(json.dumps({"reference": reference, "sharded": sharded, "split": split}))
 
 
+@pytest.mark.slow
 def test_a_quantized_base_shards_over_fsdp_with_the_same_loss(tmp_path):
   import os
   import subprocess

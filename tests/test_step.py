@@ -89,6 +89,7 @@ def _compare_with_full_logits(model, batch, rtol):
   np.testing.assert_allclose(float(ev[0]), float(nll), rtol=rtol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packed", [False, True])
 def test_trained_positions_step_equals_full_logits_loss(packed):
   """The step's LM head only at trained positions: same Σ nll, count and LoRA gradients as
@@ -124,6 +125,7 @@ def test_trained_positions_loss_equals_full_logits_on_the_real_model(smollm2_jax
     np.testing.assert_allclose(np.asarray(g), np.asarray(ref), rtol=1e-4, atol=1e-4 * float(jnp.abs(ref).max()))
 
 
+@pytest.mark.slow
 def test_fused_train_step_is_one_executable_equal_to_accumulate_then_apply(no_compile_cache):
   """grad_accum 1: one compiled executable per shape whose result is accumulate → apply's."""
   cfg, graphdef, params, frozen, tx, fns, mesh = _setup(models.init_random(TINY, seed=0))
@@ -147,6 +149,7 @@ def test_fused_train_step_is_one_executable_equal_to_accumulate_then_apply(no_co
   assert fused.recompiles == 0 and split.recompiles == 0 and not fused.unexpected_shapes
 
 
+@pytest.mark.slow
 def test_bucketed_packing_keeps_the_unpacked_unpadded_loss_and_gradients(tokenizer):
   """Every batch bucketed packing emits, accumulated: the Σ nll, Σ valid and LoRA gradients of
   the examples unpacked (one per row; padding changes nothing: see test_train's accumulation

@@ -115,6 +115,7 @@ print(json.dumps({"folder": str(result.store.folder), "built": result.built, "ke
 """
 
 
+@pytest.mark.slow
 def test_two_processes_build_the_same_store(shared_data, tmp_path):
   data = shared_data / "alpaca_en_demo.json"
   env = dict(os.environ, HF_HUB_OFFLINE="1")

@@ -58,6 +58,7 @@ def assert_events_equal_metrics(run, steps: int, extra=()):
   return scalars, texts
 
 
+@pytest.mark.slow
 def test_event_files_equal_metrics_and_a_killed_run_resumes_without_repeating_a_step(tiny_dir, small_data, tmp_path):
   steps = ["max_steps=12", "save_every=4", "eval.eval_every=5", "eval.num_prompts=2", "eval.max_new_tokens=2",
            "--peak-flops", "1e12"]
@@ -87,6 +88,7 @@ def test_event_files_equal_metrics_and_a_killed_run_resumes_without_repeating_a_
   assert summary["flops_per_s"] > 0 and 0 < summary["mfu"] and summary["model_flops_per_step"] > 0
 
 
+@pytest.mark.slow
 def test_stdout_holds_the_summary_alone_and_a_missing_wandb_is_one_warning(tiny_dir, small_data, tmp_path):
   """`python -m jaxsft.train ... > out.txt`: the summary in out.txt, logs on stderr. W&B asked for
   but not installed: one warning line and a normal run."""
@@ -144,6 +146,7 @@ def wandb_history(run_dir) -> dict[int, dict]:
   return rows
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_the_losses_and_json_quiet_prints_one_object(tiny_dir, small_data, tmp_path, capfd):
   from jaxsft.train import main
 

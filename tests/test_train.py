@@ -50,6 +50,7 @@ def read_metrics(run):
   return [l for l in lines if "loss" in l], [l for l in lines if "val_loss" in l], lines
 
 
+@pytest.mark.slow
 def test_cli_end_to_end_on_a_tiny_model(tiny_dir, small_data, tmp_path):
   out = tmp_path / "run"
   # Its compiles are counted: none may come from the session's persistent cache.
@@ -136,6 +137,7 @@ def test_bad_config_and_bad_data_write_nothing(tiny_dir, small_data, tmp_path, t
   assert not out.exists()
 
 
+@pytest.mark.slow
 def test_non_finite_steps_stop_the_run_and_keep_what_was_saved(tiny_dir, small_data, tmp_path, tokenizer, train_main):
   from tiny_model import make_tiny_model_dir
 
@@ -156,6 +158,7 @@ def test_non_finite_steps_stop_the_run_and_keep_what_was_saved(tiny_dir, small_d
   assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["3"]
 
 
+@pytest.mark.slow
 def test_accumulated_micro_batches_equal_one_batch_whatever_the_padding(tokenizer):
   """Two micro-batches padded to different buckets == one batch (Σ nll / Σ valid, same grads)."""
   import jax
@@ -210,6 +213,7 @@ def test_accumulated_micro_batches_equal_one_batch_whatever_the_padding(tokenize
   assert float(out["loss"]) == pytest.approx(float(nll1 + nll2) / float(n1 + n2), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_a_shape_outside_the_warm_up_set_is_counted_as_a_recompile(no_compile_cache):
   import jax
   from flax import nnx
@@ -246,6 +250,7 @@ def _damage(checkpoint):
     p.write_bytes(b"\xff" * max(p.stat().st_size, 1))
 
 
+@pytest.mark.slow
 def test_resume_falls_back_past_a_damaged_checkpoint(tiny_dir, small_data, tmp_path, train_main):
   steps = ["save_every=2", "keep_checkpoints=3", "eval.eval_every=0", "eval.generate=false"]
   out = tmp_path / "run"
@@ -269,6 +274,7 @@ def test_resume_falls_back_past_a_damaged_checkpoint(tiny_dir, small_data, tmp_p
   assert "restores whole" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_data_running_out_early_still_ends_with_a_fresh_validation(tiny_dir, small_data, tmp_path, tokenizer, train_main):
   """Packed epochs can pack tighter than the first one (the planned step count is one epoch's
   batches x epochs): the run then stops early, and its last validation is of its last step."""
@@ -300,6 +306,7 @@ def test_data_running_out_early_still_ends_with_a_fresh_validation(tiny_dir, sma
   assert summary["steps"] == last_step and summary["val_loss"] == val[-1]["val_loss"]
 
 
+@pytest.mark.slow
 def test_epoch_loss_and_valid_tokens_use_the_loss_count(small_data, tmp_path, tokenizer, train_main):
   """Replies that start a row: the loss cannot score a row's first token (nothing predicts it),
   so the logged valid tokens and the epoch average count labels[1:], as the loss does."""
@@ -327,6 +334,7 @@ def test_epoch_loss_and_valid_tokens_use_the_loss_count(small_data, tmp_path, to
   assert epoch["epoch_loss"] == pytest.approx(weighted, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_max_steps_repeats_the_data_and_dynamic_compiles_the_data_shapes(tiny_dir, small_data, tmp_path, train_main,
                                                                          no_compile_cache):
   """max_steps beyond one epoch runs that many steps (the data repeats); dynamic batching compiles

@@ -33,6 +33,7 @@ def _logits(model, ids):
     return model(torch.as_tensor(ids)).logits.numpy()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", CASES)
 def test_exported_hf_folder_and_gguf_match_peft(which, request, tokenizer, tmp_path):
   torch_model, jax_model = request.getfixturevalue(which)

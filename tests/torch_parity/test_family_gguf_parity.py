@@ -53,6 +53,7 @@ def gguf_hf_config(kind):
   return config
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["qwen3", "gemma3_text", "phi3"])
 def test_gguf_export_loads_in_transformers_to_the_jaxsft_logits(kind, tokenizer, tmp_path):
   torch.manual_seed(0)

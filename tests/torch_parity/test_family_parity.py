@@ -95,6 +95,7 @@ def _lora(jax_model, seed=0):
 GRAD_NOISE_FLOOR = {"gemma3_text": 1e-5}
 
 
+@pytest.mark.slow
 def test_pad_id_and_bucket_change_neither_loss_nor_gradients(family, examples):
   kind, _, jax_model = family
   model = _lora(jax_model)
@@ -111,6 +112,7 @@ def test_pad_id_and_bucket_change_neither_loss_nor_gradients(family, examples):
     assert grad_rel_err(grads, ref_grads) <= GRAD_NOISE_FLOOR.get(kind, 1e-6)
 
 
+@pytest.mark.slow
 def test_lora_gradients_on_every_linear_layer_match_peft(family, examples):
   kind, torch_model, jax_model = family
   model = _lora(jax_model)
@@ -136,6 +138,7 @@ def test_lora_gradients_on_every_linear_layer_match_peft(family, examples):
   assert err <= 1e-4
 
 
+@pytest.mark.slow
 def test_adapters_round_trip_between_jaxsft_and_peft(family, examples, tmp_path):
   kind, torch_model, jax_model = family
   batch = batch_of(examples[2:4], buckets=(96, 128))
@@ -185,6 +188,7 @@ def test_greedy_generation_matches_transformers(family, tokenizer):
   assert all(want)
 
 
+@pytest.mark.slow
 def test_merged_hf_export_loads_in_transformers_with_peft_logits(family, tokenizer, tmp_path):
   kind, torch_model, jax_model = family
   base = tmp_path / "base"  # the fixture's weights with a tokenizer, as a user's base folder
@@ -221,6 +225,7 @@ SWITCHES = {
 }
 
 
+@pytest.mark.slow
 def test_every_family_switch_changes_the_logits(family, examples):
   import dataclasses
 

@@ -32,6 +32,7 @@ def _hf_named(graphdef, params, frozen) -> dict[str, np.ndarray]:
   return {k: np.asarray(v) for k, v in llama.to_hf_state_dict(nnx.merge(graphdef, params, frozen)).items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["tiny_llama", "tiny_qwen2"])
 def test_full_gradients_and_one_adamw_step_match_torch(which, request, examples):
   torch_model, jax_model = request.getfixturevalue(which)

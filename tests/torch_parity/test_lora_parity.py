@@ -25,6 +25,7 @@ def torch_loss_and_grads(peft_model, batch):
 
 @pytest.mark.parametrize("which, rslora", [pytest.param("smollm2", False, marks=pytest.mark.slow),
                                            ("tiny_llama", False), ("tiny_llama", True), ("tiny_qwen2", True)])
+@pytest.mark.slow
 def test_lora_loss_and_gradients_match_peft(which, rslora, request, examples):
   torch_model, jax_model = request.getfixturevalue(which)
   model = randomize_lora_b(lora.apply_lora(nnx.clone(jax_model), rslora=rslora, **LORA))
@@ -44,6 +45,7 @@ def test_lora_loss_and_gradients_match_peft(which, rslora, request, examples):
   assert err <= 1e-4
 
 
+@pytest.mark.slow
 def test_adapter_round_trips_between_jaxsft_and_peft(pair, examples, tmp_path):
   torch_model, jax_model = pair
   batch = batch_of(examples[2:4], buckets=(96, 128))

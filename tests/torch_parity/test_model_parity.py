@@ -14,6 +14,7 @@ def real_token_logit_gap(t_logits, j_logits, mask):
   return float(np.abs(t_logits.detach().numpy()[real] - np.asarray(j_logits)[real]).max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["alpaca", "multiturn"])
 def test_loss_and_logits_match_transformers(pair, which, examples, multiturn_examples):
   torch_model, jax_model = pair
@@ -59,6 +60,7 @@ def assert_same_loss_and_grads(a, b, tol=1e-6):
   assert grad_err <= tol
 
 
+@pytest.mark.slow
 def test_pad_token_does_not_change_loss_or_gradients(pair, examples):
   _, jax_model = pair
   model = lora_model(jax_model)
@@ -81,6 +83,7 @@ def test_larger_bucket_does_not_change_loss_or_gradients(which, request, example
   within_float32_floor(which, err)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["tiny_llama", "tiny_qwen2"])
 def test_attention_mask_hides_pads_that_a_causal_mask_would_show(which, request, examples):
   """Left padding puts pads before real tokens, where the causal mask lets them be seen.
@@ -106,6 +109,7 @@ def test_attention_mask_hides_pads_that_a_causal_mask_would_show(which, request,
   assert abs(nll_unmasked - nll_left) > 1e-4 * abs(nll_left)
 
 
+@pytest.mark.slow
 def test_packed_rows_give_the_per_example_losses_of_unpacked_rows(pair, examples):
   torch_model, jax_model = pair
   feats = sorted(examples[:12], key=lambda f: len(f["input_ids"]))[:6]  # short ones pack
