@@ -1,14 +1,4 @@
-"""`python -m jaxsft.train`: LoRA supervised fine-tuning, the recipe read top to bottom.
-
-    setup:   config → records → tokenized once → bucket shapes → model + LoRA → warm-up compiles
-             → resume from the newest checkpoint that restores whole
-    loop:    micro-batches → Σ∇nll, Σ nll, Σ valid → clip → AdamW → metrics.jsonl
-             → validation, orbax checkpoints (+ Grain iterator state), PEFT adapter
-    finish:  final validation, loss curve, doctor, tuned-vs-base evaluation, summary
-
-The step itself (pure functions, optimizer, ahead-of-time compilation) is `jaxsft.step`; what
-the run writes is `jaxsft.run_files`. Everything the loop changes lives in one `RunState`.
-"""
+"""The recipe: `train` runs setup → loop → finish; `main` is the command line."""
 
 from __future__ import annotations
 
@@ -1117,6 +1107,3 @@ def main(argv: list[str] | None = None) -> int:
 
   return errors.run_cli(run)
 
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -1,0 +1,33 @@
+"""`python -m jaxsft.train`: LoRA supervised fine-tuning, the recipe read top to bottom.
+
+    setup:   config → records → tokenized once → bucket shapes → model + LoRA → warm-up compiles
+             → resume from the newest checkpoint that restores whole
+    loop:    micro-batches → Σ∇nll, Σ nll, Σ valid → clip → AdamW → metrics.jsonl
+             → validation, orbax checkpoints (+ Grain iterator state), PEFT adapter
+    finish:  final validation, loss curve, doctor, tuned-vs-base evaluation, summary
+
+The step itself (pure functions, optimizer, ahead-of-time compilation) is `jaxsft.step`; what
+the run writes is `jaxsft.run_files`. Everything the loop changes lives in one `RunState`.
+
+recipe.py (`train`: setup → loop → finish, `RunResult`, `main`, the command line).
+"""
+
+from __future__ import annotations
+
+from jaxsft.train.recipe import (Checkpoints, DataPlan, DevicePrefetch, ProgressBar, Run, RunResult, RunState,
+                                 SavedIteratorState, TrainingError, account_collation, account_step, all_finite,
+                                 build_steps, discard_poisoned_checkpoint, end_of_run, finish, finish_record,
+                                 load_data, main, param_paths, plan_data, probe_step_cost, record_validation,
+                                 resolve_peak_flops, run_loop, save_checkpoint, save_full_model, setup,
+                                 start_or_resume, summary_text, train, train_and_finish, train_step, trainable_filter,
+                                 validate, warm_up)
+from jaxsft.train.recipe import _load_file  # noqa: F401  (tests read a file through it)
+
+__all__ = [
+    "Checkpoints", "DataPlan", "DevicePrefetch", "ProgressBar", "Run", "RunResult", "RunState", "SavedIteratorState",
+    "TrainingError", "account_collation", "account_step", "all_finite", "build_steps", "discard_poisoned_checkpoint",
+    "end_of_run", "finish", "finish_record", "load_data", "main", "param_paths", "plan_data", "probe_step_cost",
+    "record_validation", "resolve_peak_flops", "run_loop", "save_checkpoint", "save_full_model", "setup",
+    "start_or_resume", "summary_text", "train", "train_and_finish", "train_step", "trainable_filter", "validate",
+    "warm_up",
+]
