@@ -9,18 +9,20 @@
 The step itself (pure functions, optimizer, ahead-of-time compilation) is `jaxsft.step`; what
 the run writes is `jaxsft.run_files`. Everything the loop changes lives in one `RunState`.
 
-recipe.py (`train`: setup → loop → finish, `RunResult`, `main`, the command line).
+state.py (`RunState`, `TrainingError`), checkpoints.py (orbax checkpoints with the Grain position,
+`Checkpoints`), recipe.py (`train`: setup → loop → finish, `RunResult`, `main`, the command line).
 """
 
 from __future__ import annotations
 
-from jaxsft.train.recipe import (Checkpoints, DataPlan, DevicePrefetch, ProgressBar, Run, RunResult, RunState,
-                                 SavedIteratorState, TrainingError, account_collation, account_step, all_finite,
-                                 build_steps, discard_poisoned_checkpoint, end_of_run, finish, finish_record,
-                                 load_data, main, param_paths, plan_data, probe_step_cost, record_validation,
-                                 resolve_peak_flops, run_loop, save_checkpoint, save_full_model, setup,
-                                 start_or_resume, summary_text, train, train_and_finish, train_step, trainable_filter,
-                                 validate, warm_up)
+from jaxsft.train.state import RunState, TrainingError
+from jaxsft.train.checkpoints import Checkpoints, SavedIteratorState
+from jaxsft.train.recipe import (DataPlan, DevicePrefetch, ProgressBar, Run, RunResult, account_collation, account_step,
+                                 all_finite, build_steps, discard_poisoned_checkpoint, end_of_run, finish,
+                                 finish_record, load_data, main, param_paths, plan_data, probe_step_cost,
+                                 record_validation, resolve_peak_flops, run_loop, save_checkpoint, save_full_model,
+                                 setup, start_or_resume, summary_text, train, train_and_finish, train_step,
+                                 trainable_filter, validate, warm_up)
 from jaxsft.train.recipe import _load_file  # noqa: F401  (tests read a file through it)
 
 __all__ = [
