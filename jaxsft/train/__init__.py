@@ -9,21 +9,23 @@
 The step itself (pure functions, optimizer, ahead-of-time compilation) is `jaxsft.step`; what
 the run writes is `jaxsft.run_files`. Everything the loop changes lives in one `RunState`.
 
-state.py (`RunState`, `TrainingError`), checkpoints.py (orbax checkpoints with the Grain position,
-`Checkpoints`), recipe.py (`train`: setup → loop → finish, `RunResult`, `main`, the command line).
+data_plan.py (records, the held-out split, `DataPlan`: one tokenization, the batch shapes),
+prefetch.py (`DevicePrefetch`), state.py (`RunState`, `TrainingError`), checkpoints.py (orbax
+checkpoints with the Grain position, `Checkpoints`), recipe.py (`train`: setup → loop → finish, `RunResult`, `main`, the command line).
 """
 
 from __future__ import annotations
 
 from jaxsft.train.state import RunState, TrainingError
+from jaxsft.train.data_plan import DataPlan, load_data, plan_data
+from jaxsft.train.prefetch import DevicePrefetch
 from jaxsft.train.checkpoints import Checkpoints, SavedIteratorState
-from jaxsft.train.recipe import (DataPlan, DevicePrefetch, ProgressBar, Run, RunResult, account_collation, account_step,
-                                 all_finite, build_steps, discard_poisoned_checkpoint, end_of_run, finish,
-                                 finish_record, load_data, main, param_paths, plan_data, probe_step_cost,
-                                 record_validation, resolve_peak_flops, run_loop, save_checkpoint, save_full_model,
-                                 setup, start_or_resume, summary_text, train, train_and_finish, train_step,
-                                 trainable_filter, validate, warm_up)
-from jaxsft.train.recipe import _load_file  # noqa: F401  (tests read a file through it)
+from jaxsft.train.recipe import (ProgressBar, Run, RunResult, account_collation, account_step, all_finite, build_steps,
+                                 discard_poisoned_checkpoint, end_of_run, finish, finish_record, main, param_paths,
+                                 probe_step_cost, record_validation, resolve_peak_flops, run_loop, save_checkpoint,
+                                 save_full_model, setup, start_or_resume, summary_text, train, train_and_finish,
+                                 train_step, trainable_filter, validate, warm_up)
+from jaxsft.train.data_plan import _load_file  # noqa: F401  (tests read a file through it)
 
 __all__ = [
     "Checkpoints", "DataPlan", "DevicePrefetch", "ProgressBar", "Run", "RunResult", "RunState", "SavedIteratorState",
