@@ -20,11 +20,11 @@ from jaxsft.train.state import RunState, TrainingError
 from jaxsft.train.data_plan import DataPlan, load_data, plan_data
 from jaxsft.train.prefetch import DevicePrefetch
 from jaxsft.train.checkpoints import Checkpoints, SavedIteratorState
-from jaxsft.train.recipe import (ProgressBar, Run, RunResult, account_collation, account_step, all_finite, build_steps,
-                                 discard_poisoned_checkpoint, end_of_run, finish, finish_record, main, param_paths,
-                                 probe_step_cost, record_validation, resolve_peak_flops, run_loop, save_checkpoint,
-                                 save_full_model, setup, start_or_resume, summary_text, train, train_and_finish,
-                                 train_step, trainable_filter, validate, warm_up)
+from jaxsft.train.setup import (Run, account_collation, build_steps, param_paths, probe_step_cost, resolve_peak_flops,
+                                setup, start_or_resume, trainable_filter, warm_up)
+from jaxsft.train.recipe import (ProgressBar, RunResult, account_step, all_finite, discard_poisoned_checkpoint,
+                                 end_of_run, finish, finish_record, main, record_validation, run_loop, save_checkpoint,
+                                 save_full_model, summary_text, train, train_and_finish, train_step, validate)
 from jaxsft.train.data_plan import _load_file  # noqa: F401  (tests read a file through it)
 
 __all__ = [
