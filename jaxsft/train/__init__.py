@@ -22,9 +22,10 @@ from jaxsft.train.prefetch import DevicePrefetch
 from jaxsft.train.checkpoints import Checkpoints, SavedIteratorState
 from jaxsft.train.setup import (Run, account_collation, build_steps, param_paths, probe_step_cost, resolve_peak_flops,
                                 setup, start_or_resume, trainable_filter, warm_up)
-from jaxsft.train.recipe import (ProgressBar, RunResult, account_step, all_finite, discard_poisoned_checkpoint,
-                                 end_of_run, finish, finish_record, main, record_validation, run_loop, save_checkpoint,
-                                 save_full_model, summary_text, train, train_and_finish, train_step, validate)
+from jaxsft.train.report import ProgressBar, finish, summary_text
+from jaxsft.train.loop import (account_step, all_finite, discard_poisoned_checkpoint, end_of_run, finish_record,
+                               record_validation, run_loop, save_checkpoint, save_full_model, train_step, validate)
+from jaxsft.train.recipe import RunResult, main, train, train_and_finish
 from jaxsft.train.data_plan import _load_file  # noqa: F401  (tests read a file through it)
 
 __all__ = [
