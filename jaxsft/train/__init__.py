@@ -9,9 +9,17 @@
 The step itself (pure functions, optimizer, ahead-of-time compilation) is `jaxsft.step`; what
 the run writes is `jaxsft.run_files`. Everything the loop changes lives in one `RunState`.
 
-data_plan.py (records, the held-out split, `DataPlan`: one tokenization, the batch shapes),
-prefetch.py (`DevicePrefetch`), state.py (`RunState`, `TrainingError`), checkpoints.py (orbax
-checkpoints with the Grain position, `Checkpoints`), recipe.py (`train`: setup → loop → finish, `RunResult`, `main`, the command line).
+    recipe.py       `train`: setup → loop → finish, `RunResult`, `main` (the command line)
+    setup.py        `Run` and everything before step 1: data, model, adapters, warm-up, resume
+    loop.py         `run_loop`: steps, late metrics, validation, checkpoints, `end_of_run`
+    report.py       `finish` (curve, doctor, evaluation, summary), `ProgressBar`, the stderr log
+    data_plan.py    records, the held-out split, `DataPlan`: one tokenization, the batch shapes
+    prefetch.py     `DevicePrefetch`: batches put on the devices while a step runs
+    checkpoints.py  `Checkpoints`: orbax saves with the Grain position, damaged ones set aside
+    state.py        `RunState`, `TrainingError`
+
+The name `jaxsft.train.setup` is the function, as it was before the package, not setup.py: to
+reach (or patch) the module, use `sys.modules["jaxsft.train.setup"]`.
 """
 
 from __future__ import annotations
