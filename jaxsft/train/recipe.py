@@ -1,0 +1,87 @@
+"""The recipe, read top to bottom: `train` sets the run up (`setup`, `start_or_resume`), runs the
+loop (`run_loop`, `end_of_run`) and finishes (`finish`), returning a `RunResult`; `main` is the
+command line, `python -m jaxsft.train`."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxsft import config as config_lib
+from jaxsft import errors
+from jaxsft import sharding as sharding_lib
+from jaxsft.train.loop import end_of_run, run_loop
+from jaxsft.train.prefetch import DevicePrefetch
+from jaxsft.train.report import _log_to_stderr, finish
+from jaxsft.train.setup import Run, setup, start_or_resume
+from jaxsft.train.state import RunState
+
+
+@dataclasses.dataclass
+class RunResult:
+  output_dir: str
+  steps: int
+  final_loss: float | None
+  val_loss: float | None
+  first_val_loss: float | None
+  compiles_warmup: int
+  recompiles: int
+  stopped_early: bool
+  diagnosis: Any = None
+  evaluation: dict | None = None
+
+
+def train(cfg: config_lib.TrainConfig) -> RunResult:
+  run, state = setup(cfg)
+  try:
+    return _train(run, state)
+  finally:
+    run.files.unlock()
+
+
+def _train(run: Run, state: RunState) -> RunResult:
+  state, iterator = start_or_resume(run, state)
+  try:
+    return train_and_finish(run, state, iterator)
+  finally:
+    run.trackers.close()
+
+
+def train_and_finish(run: Run, state: RunState, iterator) -> RunResult:
+  batches = DevicePrefetch(iterator, run.mesh.put_batch, stats=run.data.stats)
+  try:
+    stopped_early = run_loop(run, state, batches)
+    end_of_run(run, state)
+  finally:
+    batches.close()
+    run.checkpoints.close()
+  result = RunResult(str(run.files.dir), state.step, state.last_loss, state.val_loss, state.first_val_loss,
+                     run.compiles_warmup, run.steps.recompiles, stopped_early)
+  lora, frozen = state.lora, run.frozen
+  if jax.process_count() > 1:
+    # Process 0 finishes alone (plot, doctor, generation) on a local copy of the gathered weights.
+    lora, frozen = sharding_lib.to_host((lora, frozen))
+    if not run.files.writer:
+      return result
+  finish(run, result, nnx.merge(run.graphdef, lora, frozen))
+  return result
+
+
+def main(argv: list[str] | None = None) -> int:
+  from jaxsft import quiet
+
+  quiet.silence_library_noise()
+  _log_to_stderr()
+
+  def run() -> None:
+    cfg = config_lib.parse_args(argv)
+    if cfg.logging.quiet:  # errors only
+      cfg.progress = False
+      logging.getLogger("jaxsft").setLevel(logging.ERROR)
+    train(cfg)
+
+  return errors.run_cli(run)

@@ -1,0 +1,139 @@
+"""What a run shows and leaves behind for a reader: `finish` (loss curve, doctor, tuned-vs-base
+evaluation, summary.json and the summary on stdout, `summary_text`), the `ProgressBar` the loop
+updates, and the stderr log handler `main` installs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from jaxsft import flops as flops_lib
+from jaxsft import models
+from jaxsft import tracking
+from jaxsft.run_files import RunFiles
+
+if TYPE_CHECKING:  # annotations only: recipe.py imports this module, so a runtime import back would cycle
+  from jaxsft.train.recipe import RunResult
+  from jaxsft.train.setup import Run
+
+log = logging.getLogger("jaxsft.train")
+
+
+def finish(run: Run, result: RunResult, model) -> None:
+  """Loss curve, doctor, tuned-vs-base evaluation, summary."""
+  from jaxsft import doctor, plot, run_files
+
+  cfg, files = run.cfg, run.files
+  try:
+    plot.plot_loss_curve(files.dir, files.dir / "loss_curve.png")
+  except Exception as e:  # a plot must never cost the run
+    log.warning("loss curve not plotted: %s", e)
+  result.diagnosis = doctor.diagnose_run(files.dir)
+  files.write_text("doctor.txt", result.diagnosis.report() + "\n")
+  if cfg.eval.generate and run.data.val_records:
+    from jaxsft import evaluate
+
+    base = None
+    if cfg.mode == "full":  # the base is the model as loaded, before any update
+      base = models.load_causal_lm(cfg.model.name, dtype=str(model.dtype))
+    result.evaluation = evaluate.compare_base_and_tuned(model, run.tokenizer, run.data.val_records, cfg, base=base,
+                                                       show=not cfg.logging.quiet)
+    files.write_json("evaluation.json", result.evaluation)
+  summary = {
+      "steps": result.steps, "final_loss": result.final_loss, "first_val_loss": result.first_val_loss,
+      "val_loss": result.val_loss, "warmup_compiles": result.compiles_warmup, "recompiles": result.recompiles,
+      "stopped_early": result.stopped_early, "diagnosis": result.diagnosis.pattern,
+      "data": run.data.stats.summary(), "seconds": round(time.time() - run.t_start, 1),
+      "collation": {**run.collation, "measured_seconds": {"steps": round(run.step_seconds, 3), "compiles": round(
+          run.probe_seconds + run.warmup_seconds, 3)}}, **run.param_bytes,
+  }
+  if result.evaluation:
+    for name in ("base", "tuned"):
+      summary[f"task_score_{name}"] = result.evaluation[name]["score"]
+      if "format_rate" in result.evaluation[name]:
+        summary[f"format_rate_{name}"] = result.evaluation[name]["format_rate"]
+  summary.update(flops_lib.mean_utilization(run_files.read_records(files.metrics)))
+  files.write_json("summary.json", summary)
+  for tag, text in tracking.run_report_markdown(result.diagnosis.report(), result.evaluation).items():
+    run.trackers.text(tag, text, result.steps)
+  run.trackers.log_adapter(files.dir / "model" if cfg.mode == "full" else files.adapter, f"{files.dir.name}-{cfg.mode}")
+  # The results on stdout (logs and the progress bar are on stderr): `... > result.txt` keeps them.
+  if cfg.logging.json:
+    print(json.dumps(summary, default=str), flush=True)
+  elif not cfg.logging.quiet:
+    print(summary_text(files, summary, result), flush=True)
+
+
+def summary_text(files: RunFiles, summary: dict, result: RunResult) -> str:
+  lines = [f"\n== jaxsft run finished: {files.dir} ==",
+           f"steps {summary['steps']}, final train loss {summary['final_loss']}, "
+           f"val loss {summary['first_val_loss']} → {summary['val_loss']}",
+           f"compiles: {summary['warmup_compiles']} at warm-up, {summary['recompiles']} after",
+           f"data: {summary['data']}"]
+  if "task_score_base" in summary:
+    lines.append(f"task score: base {summary['task_score_base']:.3f} → tuned {summary['task_score_tuned']:.3f}")
+    if "format_rate_tuned" in summary:
+      lines.append(f"answer format: base {summary['format_rate_base']:.3f} → tuned {summary['format_rate_tuned']:.3f}")
+  if "flops_per_s" in summary:
+    mfu = f", MFU {100 * summary['mfu']:.1f}%" if "mfu" in summary else ""
+    lines.append(f"throughput: {summary['flops_per_s'] / 1e9:.1f} GFLOP/s (model FLOPs){mfu}")
+  lines.append(result.diagnosis.report())
+  tuned = files.dir / "model" if (files.dir / "model").is_dir() else files.adapter
+  kind = "tuned model (HF format)" if tuned != files.adapter else "adapter (PEFT format)"
+  lines.append(f"{kind}: {tuned}   curve: {files.dir / 'loss_curve.png'}   wall time {summary['seconds']}s")
+  lines.append(f"chat with it:  python -m jaxsft.chat {files.dir}\n"
+               f"export it:     python -m jaxsft.export {files.dir} --out {files.dir}-hf  (--format gguf for llama.cpp)")
+  return "\n".join(lines)
+
+
+class ProgressBar:
+  """A tqdm bar with loss, tokens/s and ETA (plain log lines when disabled)."""
+
+  def __init__(self, total: int, initial: int, enabled: bool):
+    self.bar = None
+    if enabled:
+      from tqdm import tqdm
+
+      self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+  def update(self, record: dict):
+    if self.bar is not None:
+      post = {"loss": f"{record['loss']:.4f}", "tok/s": f"{record['tokens_per_s']:.0f}"}
+      if "val_loss" in record:
+        post["val"] = f"{record['val_loss']:.4f}"
+      self.bar.set_postfix(post, refresh=False)
+      self.bar.update(1)
+    else:
+      val = f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
+      log.info("step %d loss %.4f%s (%.0f tokens/s)", record["step"], record["loss"], val, record["tokens_per_s"])
+
+  def close(self):
+    if self.bar is not None:
+      self.bar.close()
+
+
+class _StderrHandler(logging.StreamHandler):
+  """Writes to `sys.stderr` as it is at each record: a caller of `main` that swaps it between
+  runs (a test's capture) never leaves the handler writing to a closed stream."""
+
+  @property
+  def stream(self):
+    return sys.stderr
+
+  @stream.setter
+  def stream(self, value):
+    pass
+
+
+def _log_to_stderr():
+  """jaxsft's INFO lines on stderr, whatever absl or JAX did to the root logger."""
+  logger = logging.getLogger("jaxsft")
+  if not logger.handlers:
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False

@@ -1,0 +1,298 @@
+"""Everything before step 1: `setup` checks the run directory and the mesh, loads the data and the
+model with its adapters, plans the batches (probing the step's cost for `auto`), compiles every
+shape in `warm_up` and returns the fixed `Run` with a fresh `RunState`; `start_or_resume` then
+opens the trackers and restores the newest whole checkpoint under --resume."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pathlib
+import time
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxsft import collation as collation_lib
+from jaxsft import config as config_lib
+from jaxsft import data as data_lib
+from jaxsft import flops as flops_lib
+from jaxsft import lora as lora_lib
+from jaxsft import models
+from jaxsft import quant
+from jaxsft import sharding as sharding_lib
+from jaxsft import step as step_lib
+from jaxsft import tracking
+from jaxsft.run_files import RunFiles
+from jaxsft.train.checkpoints import Checkpoints
+from jaxsft.train.data_plan import DataPlan, load_data, plan_data
+from jaxsft.train.state import RunState
+
+log = logging.getLogger("jaxsft.train")
+
+
+@dataclasses.dataclass
+class Run:
+  """What stays fixed during a run (the loop's state is `RunState`)."""
+
+  cfg: config_lib.TrainConfig
+  files: RunFiles
+  mesh: sharding_lib.MeshContext
+  tokenizer: Any
+  data: DataPlan
+  graphdef: Any
+  frozen: Any
+  steps: step_lib.CompiledSteps
+  total_steps: int
+  steps_per_epoch: int
+  checkpoints: Checkpoints
+  t_start: float
+  compiles_warmup: int = 0
+  config_line: dict = dataclasses.field(default_factory=dict)  # metrics.jsonl's first line
+  last_saved_step: int | None = None  # the newest checkpoint this process saved (not one it resumed from)
+  probe_seconds: float = 0.0  # auto's probe compiles and timings, before the plan was chosen
+  warmup_seconds: float = 0.0
+  step_seconds: float = 0.0  # Σ of the steps' `seconds` this process ran
+  collation: dict = dataclasses.field(default_factory=dict)  # summary.json's "collation"
+  flop_count: flops_lib.StepFlops | None = None  # model FLOPs of a step, from its shapes
+  peak_flops: float | None = None  # per device: the denominator of MFU (None: FLOP/s only)
+  trackers: tracking.Trackers = dataclasses.field(default_factory=lambda: tracking.Trackers({}))
+  param_bytes: dict = dataclasses.field(default_factory=dict)  # base_param_bytes, trainable_param_bytes
+
+
+def param_paths(model) -> list[str]:
+  """Dotted paths of the model's params (`trainable` is matched against these)."""
+  return [".".join(map(str, path)) for path, value in nnx.iter_graph(model) if isinstance(value, nnx.Param)]
+
+
+def trainable_filter(cfg: config_lib.TrainConfig):
+  """The nnx filter of the trained params: LoRA factors, or (mode=full) every param whose
+  dotted path `cfg.trainable` matches (all of them when it is None)."""
+  if cfg.mode == "lora":
+    return nnx.LoRAParam
+  import re
+
+  try:
+    pattern = re.compile(cfg.trainable) if cfg.trainable else None
+  except re.error as e:
+    raise config_lib.ConfigError(f"trainable: {cfg.trainable!r} is not a valid regex ({e})") from None
+
+  def matches(path, value) -> bool:
+    return isinstance(value, nnx.Param) and (pattern is None or bool(pattern.search(".".join(map(str, path)))))
+
+  return matches
+
+
+def setup(cfg: config_lib.TrainConfig) -> tuple[Run, RunState]:
+  """Everything before step 1. Bad config, data, mesh or model raise before anything is written."""
+  t_start = time.time()
+  sharding_lib.maybe_initialize_distributed()  # several processes: before anything touches a device
+  if cfg.compile_cache and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(cfg.compile_cache).expanduser()))
+  files = RunFiles(cfg.output_dir, writer=sharding_lib.is_main_process())
+  files.lock()  # held until `train` ends: a second process on this run directory is refused
+  try:
+    return _setup(cfg, files, t_start)
+  except BaseException:
+    files.unlock()
+    raise
+
+
+def _setup(cfg: config_lib.TrainConfig, files: RunFiles, t_start: float) -> tuple[Run, RunState]:
+  if not cfg.resume and files.holds_a_run():
+    raise config_lib.ConfigError(
+        f"{files.dir} already holds a run (metrics.jsonl or checkpoints/). Pass --resume to continue it, "
+        f"or choose another --output-dir.")
+  # Mesh first: a mesh that doesn't fit the devices fails before anything loads or compiles.
+  mesh = sharding_lib.make_mesh_context(cfg.mesh)
+  sharding_lib.check_batch_sizes(cfg, mesh)
+  sharding_lib.barrier("jaxsft: output dir checked")  # no process writes before all have looked
+
+  if cfg.model.quantize != "none" and cfg.mode == "full":
+    raise config_lib.ConfigError(f"model.quantize={cfg.model.quantize}: a quantized base is frozen, so it trains "
+                                 f"LoRA adapters only; use mode=lora or model.quantize=none with mode=full")
+  log.info("loading data")
+  train_records, val_records = load_data(cfg)
+  log.info("loading model %s (%s%s)", cfg.model.name, cfg.model.dtype,
+           "" if cfg.model.quantize == "none" else f", base quantized {cfg.model.quantize}")
+  model, tokenizer = models.load_model(cfg.model.name, dtype=cfg.model.dtype, remat=cfg.model.remat,
+                                       quantize=cfg.model.quantize, quant_block_size=cfg.model.quant_block_size)
+  if cfg.mode == "lora":
+    lora_lib.apply_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
+                        target_modules=cfg.lora.target_modules, rslora=cfg.lora.rslora, seed=cfg.seed)
+  flop_count = flops_lib.StepFlops.from_model(model, trainable_filter(cfg))
+  # `lora` is the trainable state (the LoRA factors, or the model's own params in full mode).
+  graphdef, lora, frozen = nnx.split(model, trainable_filter(cfg), ...)
+  n_lora = sum(x.size for x in jax.tree.leaves(lora))
+  n_all = n_lora + quant.param_count(frozen)
+  if n_lora == 0:
+    raise config_lib.ConfigError(f"trainable={cfg.trainable!r} matches no parameter; paths look like "
+                                 f"{sorted(param_paths(model))[:6]}")
+  log.info("trainable %s params: %d of %d (%.3f%%)", "LoRA" if cfg.mode == "lora" else "model", n_lora, n_all,
+           100 * n_lora / max(n_all, 1))
+  param_bytes = {"base_param_bytes": quant.tree_bytes(frozen), "trainable_param_bytes": quant.tree_bytes(lora)}
+  log.info("frozen base: %.1f MB as stored (quantize=%s); trainable: %.1f MB", param_bytes["base_param_bytes"] / 1e6,
+           cfg.model.quantize, param_bytes["trainable_param_bytes"] / 1e6)
+  lora, frozen = mesh.replicate(lora), mesh.shard_frozen(frozen)
+
+  probes = []  # (steps, opt_state, cost, schedule length, seconds) when auto probed the step's cost
+  data = plan_data(cfg, train_records, val_records, tokenizer, mesh.batch_multiple_of,
+                   cost_for=lambda longest: probe_step_cost(cfg, graphdef, lora, frozen, mesh, bool(val_records),
+                                                            len(train_records), longest, probes))
+  steps_per_epoch = max(data.batches_per_epoch // cfg.optim.grad_accum, 1)
+  # max_steps (like Hugging Face's) overrides epochs: the data repeats for as long as it takes.
+  total_steps = cfg.max_steps if cfg.max_steps else steps_per_epoch * cfg.epochs
+  log.info("batch shapes %s; %d batches per epoch, %d optimizer steps", data.shapes, data.batches_per_epoch, total_steps)
+
+  files.dir.mkdir(parents=True, exist_ok=True)  # only now: bad config, data or model wrote nothing
+  if probes and probes[0][3] == total_steps:  # the probes' executables serve the run: same schedule
+    steps, opt_state = probes[0][0], probes[0][1]
+  else:
+    steps, opt_state = build_steps(cfg, graphdef, lora, frozen, mesh, total_steps)
+  run = Run(cfg, files, mesh, tokenizer, data, graphdef, frozen, steps, total_steps, steps_per_epoch,
+            Checkpoints(files, cfg.keep_checkpoints), t_start, probe_seconds=probes[0][4] if probes else 0.0,
+            flop_count=flop_count, peak_flops=resolve_peak_flops(cfg), param_bytes=param_bytes)
+  warm_up(run, n_lora)
+  return run, RunState(lora=lora, opt_state=opt_state)
+
+
+def build_steps(cfg: config_lib.TrainConfig, graphdef, lora, frozen, mesh, total_steps: int):
+  """(CompiledSteps, initial optimizer state) for a run of `total_steps` (the schedule's length)."""
+  schedule = step_lib.make_schedule(cfg.optim, total_steps)
+  tx = step_lib.make_optimizer(cfg.optim, schedule)
+  opt_state = jax.jit(tx.init, out_shardings=mesh.replicated)(lora)  # follows the replicated LoRA params
+  return step_lib.CompiledSteps(step_lib.make_step_functions(graphdef, cfg, tx, schedule), lora, opt_state, frozen,
+                                mesh), opt_state
+
+
+def probe_step_cost(cfg: config_lib.TrainConfig, graphdef, lora, frozen, mesh, with_eval: bool, num_train: int,
+                    longest: int, out: list):
+  """With `batching: auto` or `num_buckets: auto`: compiles and times three probe shapes (a quarter,
+  half and all of `longest`) and fits the step's cost, before the plan is chosen. Appends (steps,
+  opt_state, cost, the schedule length the probes were compiled for, seconds) to `out` and returns
+  the cost; None (nothing probed) when no choice needs seconds.
+
+  The probes' executables serve the run when its schedule has that length (`max_steps`, or the
+  estimated steps per epoch turned out right); otherwise the run compiles its own.
+  """
+  d = cfg.data
+  if not (d.batching == "auto" or d.num_buckets == "auto"):
+    return None
+  t0 = time.time()
+  size_for = collation_lib.batch_size_rule(d, mesh.batch_multiple_of)
+  length = cfg.max_steps or max(-(-num_train // size_for(longest)) // cfg.optim.grad_accum, 1) * cfg.epochs
+  steps, opt_state = build_steps(cfg, graphdef, lora, frozen, mesh, length)
+  shapes = [(size_for(t), t) for t in collation_lib.probe_widths(longest, d.pad_to_multiple_of)]
+  # Compiled for the inputs the run will feed them when it can tell (auto may still pick packing:
+  # then its one width compiles again, with segment ids).
+  keys = step_lib.BATCH_KEYS if d.batching == "bucketed_packed" else ("input_ids", "attention_mask", "labels")
+  steps.warm_up(shapes, keys, with_eval=with_eval, fused=cfg.optim.grad_accum == 1)
+  cost = collation_lib.fit_from_steps(steps, shapes, keys, fused=cfg.optim.grad_accum == 1)
+  log.info("collation probes %s: step %.3g + %.3g·B·T + %.3g·B·T² s, compile %.3g + %.3g·T s (%.1fs)", shapes,
+           cost.a, cost.b, cost.c, cost.compile_base, cost.compile_per_width, time.time() - t0)
+  out.append((steps, opt_state, cost, length, time.time() - t0))
+  return cost
+
+
+def resolve_peak_flops(cfg: config_lib.TrainConfig) -> float | None:
+  """Peak FLOP/s of one device: the user's `logging.peak_flops`, else the table's for this
+  device and compute dtype, else None (MFU is then not logged, FLOP/s are)."""
+  from jaxsft.models.llama import resolve_dtype
+
+  if cfg.logging.peak_flops:
+    return cfg.logging.peak_flops
+  kind = jax.devices()[0].device_kind
+  found = flops_lib.peak_flops(kind, str(resolve_dtype(cfg.model.dtype)))
+  if found is None:
+    log.info("no known peak FLOP/s for %r: logging achieved FLOP/s, no MFU (--peak-flops sets one)", kind)
+    return None
+  log.info("MFU against the %s peak, %.0f TFLOP/s per device", found[0], found[1] / 1e12)
+  return found[1]
+
+
+def warm_up(run: Run, n_lora: int) -> None:
+  """Compiles every shape the pipeline can emit, before step 1, and logs the config line."""
+  counter = step_lib.compile_counter()
+  packed = run.data.batching["batching"] in ("packed", "bucketed_packed")
+  keys = step_lib.BATCH_KEYS if packed else ("input_ids", "attention_mask", "labels")
+  compiles0, seconds0, t0 = counter.count, counter.seconds, time.time()
+  run.steps.warm_up(run.data.shapes, keys, with_eval=bool(run.data.val_records), fused=run.cfg.optim.grad_accum == 1)
+  run.compiles_warmup, seconds = counter.count - compiles0, time.time() - t0
+  run.warmup_seconds = seconds
+  account_collation(run, keys)
+  log.info("warm-up: %d compiles in %.1fs (XLA %.1fs) for %d shapes", run.compiles_warmup, seconds,
+           counter.seconds - seconds0, len(run.data.shapes))
+  run.config_line = {"event": "config", "steps_per_epoch": run.steps_per_epoch, "total_steps": run.total_steps,
+                     "batch_shapes": run.data.shapes, "bucket_lengths": run.data.batching["bucket_lengths"],
+                     "warmup_compiles": run.compiles_warmup, "warmup_seconds": round(seconds, 2), "lora_params": n_lora,
+                     **run.param_bytes}
+
+
+def account_collation(run: Run, keys: tuple[str, ...]) -> None:
+  """Times one call of the compiled shapes, fits the cost, and keeps the plan's predicted seconds
+  (over the planned steps) for summary.json; logs the choice (auto: with its runners-up)."""
+  cfg, data = run.cfg, run.data
+  size_for = collation_lib.batch_size_rule(cfg.data, run.mesh.batch_multiple_of)
+  if jax.process_count() > 1:  # timing copies the state; across processes it is not addressable here
+    cost = data_lib.cost.DEFAULT_COST
+  else:
+    cost = collation_lib.fit_from_steps(run.steps, data.shapes, keys, fused=cfg.optim.grad_accum == 1)
+  epochs = data_lib.cost.epochs_planned(data.batches_per_epoch, epochs=cfg.epochs, max_steps=cfg.max_steps,
+                                        grad_accum=cfg.optim.grad_accum)
+  lengths = data.train_tokens.lengths
+  predicted = collation_lib.predicted(cost, data.batching, lengths, data.shapes, batch_size_for=size_for, epochs=epochs,
+                                      trained=collation_lib.trained_tokens(data.train_tokens))
+  choice = data.collation
+  run.collation = {"choice": choice.name if choice else data.batching["batching"],
+                   "batching": {k: data.batching[k] for k in ("batching", "bucket_lengths", "max_length")},
+                   "predicted_seconds": predicted.to_dict(), "cost": cost.to_dict(), "epochs": round(epochs, 4)}
+  if choice is not None:
+    collation_lib.log_choice(choice)
+    if choice.candidates:
+      run.collation["chosen_with"] = choice.cost.to_dict()
+      run.collation["candidates"] = [c.summary() for c in choice.candidates]
+  log.info("collation %s: predicted %.1fs of steps, %.1fs of compiles (cost fitted to %s)", run.collation["choice"],
+           predicted.steps, predicted.compiles, cost.source)
+
+
+def start_or_resume(run: Run, fresh: RunState):
+  """(state, batch iterator): restored from the newest whole checkpoint with --resume, else fresh."""
+  cfg = run.cfg
+  num_epochs = None if cfg.max_steps else cfg.epochs
+
+  def batches():
+    return iter(run.data.train_batches(run.tokenizer, seed=cfg.data.seed, num_epochs=num_epochs,
+                                       worker_count=cfg.data.worker_count))
+
+  restored_iterator = []
+
+  def restore_data_position(data_state):  # a data position that does not restore is damage too
+    iterator = batches()
+    if data_state is not None:
+      iterator.set_state(data_state)
+    restored_iterator[:] = [iterator]
+
+  state = run.checkpoints.restore_newest(fresh, restore_data_position) if cfg.resume else None
+  resumed_at = None if state is None else state.step
+  if run.files.writer:
+    run.trackers = tracking.open_trackers(cfg.logging, run.files.dir, resumed_at=resumed_at, config=config_lib.to_dict(cfg))
+    run.files.sinks.append(run.trackers.log)
+  if state is not None:
+    run.files.truncate_metrics(state.step)
+    if state.data_stats:  # the run's data counts go on from the checkpoint's, not from zero
+      for name, value in state.data_stats.items():
+        if name == "dropped_per_epoch":
+          value = {int(epoch): count for epoch, count in value.items()}
+        setattr(run.data.stats, name, value)
+    log.info("resumed from step %d", state.step)
+  else:
+    if cfg.resume:
+      log.info("--resume: no checkpoint in %s, starting fresh", run.files.checkpoints)
+    state = fresh
+    run.files.log(run.config_line)
+    run.trackers.text("config", tracking.config_markdown(config_lib.to_dict(cfg)), 0)
+  run.files.write_json("config.json", config_lib.to_dict(cfg))
+  run.files.write_json("heldout.json", run.data.val_records)
+  return state, restored_iterator[0] if state is not fresh else batches()

@@ -1,0 +1,41 @@
+"""What a run carries from step to step: `RunState`, everything the loop changes (and a checkpoint
+holds), and `TrainingError`, raised when the run cannot go on."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxsft.errors import JaxsftError
+
+
+class TrainingError(JaxsftError, RuntimeError):
+  """The run cannot go on (too many non-finite steps, no checkpoint to resume); saved state is kept."""
+
+
+@dataclasses.dataclass
+class RunState:
+  """Everything the loop changes. Checkpoints hold `lora`, `opt_state`, `data_state` and the
+  scalars (`scalars()`); a resume restores all of them and continues exactly."""
+
+  lora: Any
+  opt_state: Any
+  step: int = 0
+  data_state: Any = None  # the Grain iterator's state after the last consumed batch
+  epoch: int = 0
+  epoch_nll: float = 0.0  # Σ nll and Σ valid of the current epoch's steps (the device's counts)
+  epoch_valid: int = 0
+  first_val_loss: float | None = None
+  best_val: float | None = None
+  bad_evals: int = 0
+  nonfinite_in_row: int = 0
+  last_loss: float | None = None
+  val_loss: float | None = None
+  val_step: int | None = None  # the step `val_loss` was measured at
+  data_stats: dict | None = None  # the pipeline's counters as of the last consumed batch
+
+  SCALARS = ("epoch", "epoch_nll", "epoch_valid", "first_val_loss", "best_val", "bad_evals",
+             "nonfinite_in_row", "last_loss", "val_loss", "val_step", "data_stats")
+
+  def scalars(self) -> dict[str, Any]:
+    return {name: getattr(self, name) for name in self.SCALARS}
