@@ -3,6 +3,7 @@ traceback); nothing a writer leaves after a crash at any point is half an artifa
 directory has one writer; export never deletes its own source; a diverging run keeps its last
 good checkpoint."""
 
+import contextlib
 import errno
 import json
 import logging
@@ -280,6 +281,7 @@ def test_a_cut_last_metrics_line_is_ignored_and_dropped_on_resume(tmp_path):
 # Values checked where they are read: the config at parse time, an adapter's config on load.
 
 
+@pytest.mark.slow
 def test_config_ranges_are_checked_at_parse_time_naming_the_key():
   from jaxsft import config
 
@@ -347,6 +349,7 @@ def tiny_train_args(model_dir, out, *extra):
           "--no-progress", "--model.dtype", "float32", *extra]
 
 
+@pytest.mark.slow
 def test_a_diverging_run_saves_no_poisoned_checkpoint_and_keeps_the_last_good_one(tiny_model_dir, tmp_path, capsys):
   """lr 1e38 after a linear warm-up from 0: step 1's update is zero (good weights), step 2's
   throws the weights to ~1e38 (finite, but every later loss is NaN), steps 3-4 are skipped."""
@@ -368,6 +371,59 @@ def test_a_diverging_run_saves_no_poisoned_checkpoint_and_keeps_the_last_good_on
   lora.load_adapter(model, out / "adapter")  # rewritten from checkpoint 1: finite, as the weights of step 1
   assert all(np.isfinite(np.asarray(x)).all() for x in lora.adapter_tensors(model).values())
   assert not any(run_files._TEMP.match(p.name) for p in out.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------
+# A real full disk: the run folder on a small file system that fills up mid-run.
+
+
+@contextlib.contextmanager
+def small_file_system(folder: pathlib.Path, size: str):
+  """A tmpfs of `size` mounted at `folder`; yields a function that resizes it. Mounting needs the
+  privilege to (root in a container that allows it); without it the test is skipped, saying why."""
+  folder.mkdir(parents=True)
+  mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True,
+                           text=True)
+  if mounted.returncode:
+    pytest.skip(f"cannot mount a small file system here: {mounted.stderr.strip()}")
+  try:
+    yield lambda new_size: subprocess.run(["mount", "-o", f"remount,size={new_size}", str(folder)], check=True)
+  finally:
+    subprocess.run(["umount", "--lazy", str(folder)], check=False)
+
+
+@pytest.mark.slow  # two runs in fresh interpreters
+def test_a_full_disk_mid_run_is_one_error_line_and_resume_finishes_the_run(tiny_model_dir, tmp_path):
+  """1.2 MB holds two checkpoints of the tiny model's LoRA state (~0.45 MB each with AdamW's
+  moments) and the adapter, so the third save finds the disk full. The run must stop with one
+  `error:` line naming the full disk (no traceback from orbax's writer threads, no asyncio noise),
+  leave the checkpoints it completed whole, and, given room, resume from the newest to the end."""
+  disk = tmp_path / "disk"
+  out = disk / "run"
+  args = tiny_train_args(tiny_model_dir, out, "save_every=1", "max_steps=8", "data.val_fraction=0", "--lr", "1e-3")
+  env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+  def train(*extra):
+    return subprocess.run([sys.executable, "-m", "jaxsft.train", *args, *extra], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+  with small_file_system(disk, "1200k") as resize:
+    full = train()
+    assert full.returncode == 2, full.stderr[-3000:]
+    assert "Traceback" not in full.stderr and "Exception ignored" not in full.stderr, full.stderr[-3000:]
+    lines = [line for line in full.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: No space left on device") and str(out) in lines[-1], lines[-1]
+    noise = [line for line in lines[:-1] if not re.match(r"\d\d:\d\d:\d\d jaxsft\.", line)]
+    assert noise == [], noise[:10]  # only the run's own log lines before it
+    saved = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved and max(saved) < 8, saved
+    resize("64m")
+    resumed = train("--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from step {max(saved)}" in resumed.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 9))  # every step once, none lost
+    assert json.loads((out / "summary.json").read_text())["steps"] == 8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,6 +492,7 @@ def test_killed_adapter_swap_leaves_a_whole_adapter(tmp_path, exchange):
   assert seen == {"old", "new"}
 
 
+@pytest.mark.slow
 def test_killed_checkpoint_save_leaves_the_old_or_the_new_checkpoint_whole(tmp_path):
   import jax.numpy as jnp
 
@@ -464,6 +521,7 @@ def test_killed_checkpoint_save_leaves_the_old_or_the_new_checkpoint_whole(tmp_p
   assert restored == {1, 2}
 
 
+@pytest.mark.slow
 def test_killed_export_leaves_the_old_or_the_new_export_whole(tiny_run, tmp_path):
   from jaxsft import export, run_files
 
@@ -517,6 +575,7 @@ checkpoints.close()
 """
 
 
+@pytest.mark.slow
 def test_skipping_a_damaged_checkpoint_prints_no_event_loop_tracebacks(tmp_path):
   run = tmp_path / "run"
   writer = subprocess.run([sys.executable, str(CRASH_WRITER), "checkpoint", str(run), str(10**6)], cwd=ROOT,
@@ -547,6 +606,7 @@ def test_json_nested_100000_deep_is_a_data_error_naming_the_file(tmp_path, capsy
   assert "nested deeper" in error_line(capsys)
 
 
+@pytest.mark.slow
 def test_summary_data_counts_after_resume_cover_the_whole_run(tiny_model_dir, tmp_path, capsys):
   from jaxsft import train
 

@@ -1,11 +1,10 @@
 """Orbax checkpoints of a `RunState` with the Grain iterator's position: `Checkpoints` saves them
 and restores the newest one that restores whole, setting damaged ones aside;
 `SavedIteratorState` carries the data position through grain's orbax handler, and
-`_drain_orbax_loop_on_failure` keeps a failed restore from leaving reads behind."""
+`drain_orbax_loops` keeps a failed restore or save from leaving reads or writes behind."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -34,22 +33,25 @@ class SavedIteratorState:
     pass
 
 
-@contextlib.contextmanager
-def _drain_orbax_loop_on_failure():
-  """Lets a failed orbax restore finish its other reads before orbax closes its event loop.
+def drain_orbax_loops() -> None:
+  """Lets a failed orbax restore or save finish its other reads or writes before orbax closes
+  its event loop (installed once per process; a run that fails nothing behaves as before).
 
-  Orbax runs a restore as one `asyncio.gather` of every array read on a fresh event loop, closed
-  as soon as the gather returns. When one read fails (a damaged checkpoint) the gather raises at
-  once while the other reads are still running in tensorstore; each of those, on completion,
-  schedules its callback on the closed loop and prints a "RuntimeError: Event loop is closed"
-  traceback (one per array). Here the loop first runs its remaining tasks to the end, then closes:
-  same result, same exception, no orphaned reads.
+  Orbax runs a restore, and the array writes of a save (in its background thread), as one
+  `asyncio.gather` on a fresh event loop, closed as soon as the gather returns. When one read or
+  write fails (a damaged checkpoint, a full disk) the gather raises at once while the others are
+  still running in tensorstore; each of those, on completion, schedules its callback on the
+  closed loop and prints a "RuntimeError: Event loop is closed" traceback (one per array), and
+  their coroutines print "Exception ignored" tracebacks when the interpreter exits. Here the loop
+  first runs its remaining tasks to the end, then closes: same result, same exception, nothing
+  left running.
   """
   import asyncio
 
   from orbax.checkpoint._src import asyncio_utils
 
-  original = asyncio_utils._run_sync_via_new_loop
+  if getattr(asyncio_utils._run_sync_via_new_loop, "drains_pending_tasks", False):
+    return
 
   def run_then_drain(coro):
     loop = asyncio.new_event_loop()
@@ -63,11 +65,24 @@ def _drain_orbax_loop_on_failure():
       asyncio.set_event_loop(None)
       loop.close()
 
+  run_then_drain.drains_pending_tasks = True
   asyncio_utils._run_sync_via_new_loop = run_then_drain
-  try:
-    yield
-  finally:
-    asyncio_utils._run_sync_via_new_loop = original
+
+
+class _OrbaxFailureTracebacks(logging.Filter):
+  """Drops orbax's ERROR records that carry a traceback: orbax logs a failed background save
+  from each of its threads (four tracebacks for one full disk) and then raises the same error in
+  the trainer, which reports it once (an `error:` line, or a traceback when it is a bug)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.exc_info and record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+def quiet_orbax_failure_logs() -> None:
+  """For the command line (a library user keeps orbax's logging as it is): installed once."""
+  absl_logger = logging.getLogger("absl")
+  if not any(isinstance(f, _OrbaxFailureTracebacks) for f in absl_logger.filters):
+    absl_logger.addFilter(_OrbaxFailureTracebacks())
 
 
 class Checkpoints:
@@ -79,6 +94,7 @@ class Checkpoints:
 
   def __init__(self, files: RunFiles, keep: int):
     self.files, self.keep = files, keep
+    drain_orbax_loops()
     self.manager = self._open()
 
   def _open(self):
@@ -101,10 +117,9 @@ class Checkpoints:
     import orbax.checkpoint as ocp
 
     holder = SavedIteratorState()
-    with _drain_orbax_loop_on_failure():
-      restored = self.manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore({"lora": template.lora, "opt_state": template.opt_state}),
-          data_iter=grain.checkpoint.CheckpointRestore(holder), meta=ocp.args.JsonRestore()))
+    restored = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore({"lora": template.lora, "opt_state": template.opt_state}),
+        data_iter=grain.checkpoint.CheckpointRestore(holder), meta=ocp.args.JsonRestore()))
     restore_data_position(holder.state)
     scalars = {k: v for k, v in restored["meta"].items() if k in RunState.SCALARS}
     return RunState(lora=restored["state"]["lora"], opt_state=restored["state"]["opt_state"], step=step,

@@ -14,6 +14,7 @@ from flax import nnx
 from jaxsft import config as config_lib
 from jaxsft import errors
 from jaxsft import sharding as sharding_lib
+from jaxsft.train.checkpoints import quiet_orbax_failure_logs
 from jaxsft.train.loop import end_of_run, run_loop
 from jaxsft.train.prefetch import DevicePrefetch
 from jaxsft.train.report import _log_to_stderr, finish
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
   from jaxsft import quiet
 
   quiet.silence_library_noise()
+  quiet_orbax_failure_logs()
   _log_to_stderr()
 
   def run() -> None:
