@@ -225,6 +225,7 @@ def test_family_gguf_reloads_to_the_same_config_and_logits(family_gguf):
     np.testing.assert_array_equal(np.asarray(again(LONG_IDS)), np.asarray(base(LONG_IDS)))
 
 
+@pytest.mark.slow
 def test_family_gguf_is_in_llama_cpp_layout(family_gguf):
   """Names as the gguf package's TensorNameMap gives them for the arch, q/k rows permuted only
   for smollm3 (llama.cpp's LlamaModel converter), norms + 1 only for gemma3, the keys llama.cpp

@@ -163,6 +163,7 @@ def check_example(tok, family: Family, messages: list, example: dict, *, train_o
   assert all((example["labels"][k:k + len(prompt)] == IGNORE_INDEX).all() for k in at)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_trained_tokens_are_exactly_the_replies(family_tokenizers, records, name):
   tok, family = family_tokenizers[name], FAMILIES[name]
@@ -188,6 +189,7 @@ def test_system_and_user_turns_are_not_trained(family_tokenizers, name):
                                            if m["role"] == "assistant"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_fast_path_equals_the_reference(family_tokenizers, records, name):
   tok = family_tokenizers[name]

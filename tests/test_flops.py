@@ -59,6 +59,7 @@ def test_sliding_windows_count_only_the_pairs_they_keep():
   assert flops.causal_pairs(10, 16) == 55
 
 
+@pytest.mark.slow
 def test_counted_flops_agree_with_xla_cost_analysis_of_the_unrolled_step(monkeypatch):
   """XLA's count of the compiled train step (every matmul and elementwise op it runs) within 10%
   of the model count. Unrolled (no scan: XLA counts a loop body once) and without remat (XLA

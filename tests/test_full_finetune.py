@@ -6,6 +6,7 @@ test_train.run_cli), the others in-process."""
 import json
 
 import numpy as np
+import pytest
 from safetensors.numpy import load_file
 
 from test_train import base_args, read_metrics, run_cli

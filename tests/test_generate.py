@@ -3,6 +3,7 @@
 import dataclasses
 
 import jax.numpy as jnp
+import pytest
 from flax import nnx
 
 from jaxsft import models
@@ -58,7 +59,6 @@ def test_cached_generation_honours_the_sliding_window(tokenizer):
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import pytest  # noqa: E402
 
 from jaxsft.generate import (PromptTooLong, Sampling, mask_top_k, mask_top_p, sample_token,  # noqa: E402
                              scale_by_temperature, stream)
@@ -89,6 +89,7 @@ def test_sample_token_is_greedy_at_zero_and_follows_the_distribution():
     Sampling(top_p=0.0)
 
 
+@pytest.mark.slow
 def test_stream_yields_the_greedy_reply_piece_by_piece(tokenizer):
   model = models.init_random(dataclasses.replace(TINY, tie_word_embeddings=False), seed=3)
   messages = [{"role": "user", "content": "Reverse the word 'banana', please."}]

@@ -95,6 +95,7 @@ def test_lora_math_matches_a_dense_update():
     np.testing.assert_allclose(np.asarray(merged(x)), np.asarray(dense(x)), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_dropout_needs_a_key_and_is_per_key():
   m = randomize_b(lora.apply_lora(model(), r=4, dropout=0.5))
   x = ids()

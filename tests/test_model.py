@@ -232,6 +232,7 @@ def test_attention_mask_hides_a_visible_pad():
   assert np.abs(unmasked[0, 4:] - b[0, 4:]).max() > 1e-3  # without the mask the pad is seen
 
 
+@pytest.mark.slow
 def test_packed_row_equals_separate_rows():
   model = tiny_model()
   a, b = ids(1, 5, seed=1), ids(1, 4, seed=2)
@@ -255,6 +256,7 @@ def test_sliding_window_limits_attention():
   assert np.abs(out_x[0, :3] - out_y[0, :3]).max() > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sliding_window", [None, 3])
 def test_cached_decoding_equals_the_full_forward(sliding_window):
   """Prefill + one-token cached steps give the logits of the uncached forward at those positions."""

@@ -302,6 +302,7 @@ def test_mismatched_tokenized_is_an_error(records, tokenizer, tokens):
       1 for _ in make_batches(records, tokenizer, max_length=128, batching="static"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("worker_count", [0, 1])
 def test_a_record_the_template_cannot_label_names_its_file_and_line(tokenizer, tmp_path, worker_count):
   """Tokenized in the map (no `tokenized=`), in a worker too: the error names where the record was read."""

@@ -203,6 +203,7 @@ def _write_quantized_gguf(path, model, ggml_type):
   writer.close()
 
 
+@pytest.mark.slow
 def test_gguf_base_keeps_the_file_blocks_and_equals_the_dequantized_file(tmp_path, monkeypatch):
   monkeypatch.setenv("JAXSFT_CACHE", str(tmp_path / "cache"))
   config = llama.LlamaConfig(vocab_size=61, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,

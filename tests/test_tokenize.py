@@ -163,6 +163,7 @@ EDGE_RECORDS = [
 ]
 
 
+@pytest.mark.slow
 def test_fast_path_equals_prefix_renders(tokenizer, chat, shared_data):
   from jaxsft.data import SpanRenderer
 

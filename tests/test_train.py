@@ -123,6 +123,7 @@ def test_killed_run_resumes_to_the_same_metrics(tiny_dir, small_data, tmp_path):
   assert epochs(ref) and epochs(ref) == epochs(killed)
 
 
+@pytest.mark.slow
 def test_bad_config_and_bad_data_write_nothing(tiny_dir, small_data, tmp_path, train_main):
   out = tmp_path / "never"
   r = train_main(base_args(tiny_dir, small_data, out, "optim.learning_rate=1"))

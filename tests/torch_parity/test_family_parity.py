@@ -52,6 +52,7 @@ def test_config_reads_the_family_and_writes_it_back(family):
   assert set(values) == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["alpaca", "multiturn"])
 def test_logits_and_loss_match_transformers(family, which, examples, multiturn_examples):
   kind, torch_model, jax_model = family
@@ -71,6 +72,7 @@ def test_logits_and_loss_match_transformers(family, which, examples, multiturn_e
   assert delta <= 1e-5
 
 
+@pytest.mark.slow
 def test_packed_rows_give_transformers_per_example_losses(family, examples):
   kind, torch_model, jax_model = family
   feats = sorted(examples[:12], key=lambda f: len(f["input_ids"]))[:6]
@@ -168,6 +170,7 @@ def test_adapters_round_trip_between_jaxsft_and_peft(family, examples, tmp_path)
   assert abs(float(j_nll) / int(j_count) - nll.item() / count) <= 1e-5
 
 
+@pytest.mark.slow
 def test_greedy_generation_matches_transformers(family, tokenizer):
   kind, torch_model, jax_model = family
   prompts = [[{"role": "user", "content": "Name three rivers of Europe and say which is the longest of them."}],
