@@ -77,7 +77,7 @@ def test_train_then_chat_on_a_tiny_phi3(tokenizer, tmp_path, train_main, run_cli
   out = tmp_path / "run"
   train = train_main(["--model", model_dir, "--data", data, "--output-dir", out, "max_steps=3", "data.num_buckets=1",
                        "data.batch_size=8", "data.tokens_per_batch=none", "data.max_val_examples=8",
-                       "eval.num_prompts=2", "eval.max_new_tokens=4", "--no-progress"])
+                       "eval.num_prompts=2", "eval.max_new_tokens=4", "data.time_shapes=false", "--no-progress"])
   assert train.returncode == 0, train.stdout + train.stderr
   adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
   assert adapter["target_modules"] == sorted(["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])

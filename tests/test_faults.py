@@ -345,8 +345,9 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
 
 def tiny_train_args(model_dir, out, *extra):
   return ["--model", str(model_dir), "--output-dir", str(out), "data.synthetic_size=48", "data.batch_size=8",
-          "data.num_buckets=1", "data.tokens_per_batch=none", "eval.eval_every=0", "eval.generate=false",
-          "--no-progress", "--model.dtype", "float32", *extra]
+          "data.num_buckets=1", "data.tokens_per_batch=none", "eval.eval_every=0", "eval.generate=false", "data.time_shapes=false",
+          # A constant rate: runs of different max_steps share one compiled step (see test_train.base_args).
+          "optim.schedule=constant", "optim.warmup_steps=0", "--no-progress", "--model.dtype", "float32", *extra]
 
 
 @pytest.mark.slow

@@ -245,7 +245,8 @@ def test_nf4_run_trains_resumes_and_reports_the_base_bytes(tiny_dir, tmp_path, m
   out = tmp_path / "run"
   args = ["--model", str(tiny_dir), "--data", str(data), "--output-dir", str(out), "--lr", "2e-3",
           "--model.quantize", "nf4", "data.num_buckets=1", "data.batch_size=8", "data.tokens_per_batch=none",
-          "data.max_val_examples=8", "eval.generate=false", "eval.eval_every=0", "save_every=2", "--no-progress"]
+          "data.max_val_examples=8", "eval.generate=false", "eval.eval_every=0", "save_every=2", "data.time_shapes=false",
+          "--no-progress"]
   assert main([*args, "max_steps=2"]) == 0
   assert main([*args, "max_steps=4", "--resume"]) == 0
   lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

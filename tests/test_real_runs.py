@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 COMMON = ["data.synthetic_size=240", "data.max_length=256", "data.num_buckets=2", "data.tokens_per_batch=384",
           "data.max_val_examples=16", "eval.eval_every=4", "eval.generate=false", "--no-progress", "save_every=0",
-          "max_steps=12"]
+          "max_steps=12", "data.time_shapes=false"]
 
 
 def run(out, *args, train_main=None):

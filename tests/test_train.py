@@ -42,7 +42,12 @@ def run_cli(args, *, wait=True, env_extra=None, **kw):
 def base_args(tiny_dir, small_data, out, *extra):
   return ["--model", tiny_dir, "--data", small_data, "--output-dir", out, "--lr", "2e-3", "data.num_buckets=2",
           "data.batch_size=8", "data.tokens_per_batch=none", "data.max_val_examples=16",
-          "--no-progress", *extra]
+          # No timing calls at warm-up where a test does not read the fitted cost (the end-to-end test does).
+          "data.time_shapes=false",
+          # A constant rate: the step's executable does not depend on max_steps (the schedule's length is
+          # compiled into it), so runs of different lengths, resumes included, share the session's
+          # compile cache. The end-to-end test keeps the default warm-up and cosine decay.
+          "optim.schedule=constant", "optim.warmup_steps=0", "--no-progress", *extra]
 
 
 def read_metrics(run):
@@ -55,7 +60,9 @@ def test_cli_end_to_end_on_a_tiny_model(tiny_dir, small_data, tmp_path):
   out = tmp_path / "run"
   # Its compiles are counted: none may come from the session's persistent cache.
   r = run_cli(base_args(tiny_dir, small_data, out, "max_steps=8", "eval.eval_every=4", "save_every=4",
-                        "eval.num_prompts=4", "eval.max_new_tokens=4"), env_extra=NO_COMPILE_CACHE_ENV)
+                        "eval.num_prompts=4", "eval.max_new_tokens=4", "data.time_shapes=true", "optim.schedule=cosine",
+                        "optim.warmup_steps=null"),
+              env_extra=NO_COMPILE_CACHE_ENV)
   assert r.returncode == 0, r.stdout + r.stderr
   train, val, lines = read_metrics(out)
   assert [l["step"] for l in train] == list(range(1, 9))
@@ -77,6 +84,7 @@ def test_cli_end_to_end_on_a_tiny_model(tiny_dir, small_data, tmp_path):
   collation = summary["collation"]  # every mode records its predicted and measured seconds
   assert collation["choice"] == "bucketed K=2" and collation["batching"]["bucket_lengths"] == config["bucket_lengths"]
   assert all(collation[k]["steps"] > 0 and collation[k]["compiles"] > 0 for k in ("predicted_seconds", "measured_seconds"))
+  assert collation["cost"]["source"].startswith("measured: ")  # fitted to this run's timed shapes
   assert "task_score_base" in summary and "task_score_tuned" in summary
   adapter_config = json.loads((out / "adapter/adapter_config.json").read_text())
   assert adapter_config["peft_type"] == "LORA" and adapter_config["r"] == 16  # the embedded default (configs/default.yaml)
@@ -336,34 +344,40 @@ def test_epoch_loss_and_valid_tokens_use_the_loss_count(small_data, tmp_path, to
 
 
 @pytest.mark.slow
-def test_max_steps_repeats_the_data_and_dynamic_compiles_the_data_shapes(tiny_dir, small_data, tmp_path, train_main,
+def test_max_steps_repeats_the_data_and_dynamic_compiles_the_data_shapes(tiny_dir, tmp_path, train_main,
                                                                          no_compile_cache):
   """max_steps beyond one epoch runs that many steps (the data repeats); dynamic batching compiles
   the widths the stored lengths give, not every multiple of 8 up to max_length."""
-  from jaxsft.data import TokenStore, round_up
+  from jaxsft.data import TokenStore, round_up, synthetic
 
+  # 40 records of four lengths: at most four widths, against 64 multiples of 8 up to 512. Each
+  # width is a cold compile (the cache is off to count them), so few widths keep the test short.
+  four = synthetic.make_dataset(4, seed=5)
+  path = tmp_path / "four_lengths.jsonl"
+  path.write_text("".join(json.dumps(four[i % 4]) + "\n" for i in range(40)))
   cache = tmp_path / "tokens"
   out = tmp_path / "run"
   # Every record trains (no held-out split, so no evaluation executables): the compiles are the
   # training step's, one per width.
-  r = train_main(base_args(tiny_dir, small_data, out, "max_steps=25", "data.batching=dynamic", "eval.eval_every=0",
+  r = train_main(base_args(tiny_dir, path, out, "max_steps=7", "data.batching=dynamic", "eval.eval_every=0",
                            "eval.generate=false", "data.val_fraction=0", f"data.cache_dir={cache}"))
   assert r.returncode == 0, r.stderr[-3000:]
   train, _, lines = read_metrics(out)
   config = lines[0]
-  assert config["steps_per_epoch"] == 20 and config["total_steps"] == 25  # 160 training records / 8
-  assert [l["step"] for l in train] == list(range(1, 26))
-  assert [l["epoch"] for l in train] == [0] * 20 + [1] * 5
+  assert config["steps_per_epoch"] == 5 and config["total_steps"] == 7  # 40 training records / 8
+  assert [l["step"] for l in train] == list(range(1, 8))
+  assert [l["epoch"] for l in train] == [0] * 5 + [1] * 2
   (folder,) = list(cache.iterdir())  # the file's one token store
   lengths = TokenStore(folder).tokenized().lengths  # every record: all of them train
   expected = sorted({(8, min(round_up(int(n), 8), 512)) for n in lengths})
   assert [tuple(s) for s in config["batch_shapes"]] == expected
-  assert len(expected) < 512 // 8
+  assert 1 < len(expected) <= 4 < 512 // 8
   assert config["warmup_compiles"] == len(expected)  # one fused step per width, nothing else
   summary = json.loads((out / "summary.json").read_text())
-  assert summary["steps"] == 25 and summary["recompiles"] == 0
+  assert summary["steps"] == 7 and summary["recompiles"] == 0
+  assert summary["collation"]["cost"]["source"].startswith("default: ")  # data.time_shapes=false: no timing calls
   # The store's key is the data and the tokenization, not the batching: a bucketed run finds it.
-  again = train_main(base_args(tiny_dir, small_data, tmp_path / "run2", "max_steps=1", "data.batching=bucketed",
+  again = train_main(base_args(tiny_dir, path, tmp_path / "run2", "max_steps=1", "data.batching=bucketed",
                                "eval.generate=false", f"data.cache_dir={cache}"))
   assert again.returncode == 0, again.stderr[-3000:]
   assert "token store" in again.stderr and "found in" in again.stderr  # the second run tokenizes nothing

@@ -237,6 +237,8 @@ def account_collation(run: Run, keys: tuple[str, ...]) -> None:
   size_for = collation_lib.batch_size_rule(cfg.data, run.mesh.batch_multiple_of)
   if jax.process_count() > 1:  # timing copies the state; across processes it is not addressable here
     cost = data_lib.cost.DEFAULT_COST
+  elif not (cfg.data.time_shapes or data.collation is not None):  # auto's choice was made on timings
+    cost = data_lib.cost.DEFAULT_COST
   else:
     cost = collation_lib.fit_from_steps(run.steps, data.shapes, keys, fused=cfg.optim.grad_accum == 1)
   epochs = data_lib.cost.epochs_planned(data.batches_per_epoch, epochs=cfg.epochs, max_steps=cfg.max_steps,
