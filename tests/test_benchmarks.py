@@ -145,17 +145,20 @@ def test_vs_torch_keeps_contended_runs_out_of_the_summary():
 
 
 @pytest.mark.slow  # a fresh interpreter per family
-def test_compile_time_quick_has_a_row_per_family(tmp_path):
-  """`--quick`: every family at 2 layers, one shape, one cold compile each in its own process
-  (the session's persistent XLA cache is kept out of the workers)."""
+def test_compile_time_quick_has_a_row_per_family_asked(tmp_path):
+  """`--quick`: each family asked at 2 layers, one shape, one cold compile each in its own process
+  (the session's persistent XLA cache is kept out of the workers). Two families show the study's
+  machinery (the reference's ratio 1.0, another's measured one); every family's step is compiled and
+  checked against torch in tests/torch_parity, so the other six fresh interpreters would add nothing."""
   import json
 
   from benchmarks import compile_time
 
-  assert compile_time.main(["--quick", "--results-dir", str(tmp_path), "--no-hlo"]) == 0
+  families = ["llama", "gemma3_text"]
+  assert compile_time.main(["--quick", "--families", *families, "--results-dir", str(tmp_path), "--no-hlo"]) == 0
   result = json.loads((tmp_path / "compile_time.json").read_text())
   (per,) = result["summary"].values()
-  assert list(per) == list(compile_time.FAMILIES)
+  assert list(per) == families
   for family, s in per.items():
     assert s["status"] == "ok", family
     assert s["median_s"] > 0 and s["min_s"] > 0 and s["ratio_median"] > 0, family
@@ -164,7 +167,7 @@ def test_compile_time_quick_has_a_row_per_family(tmp_path):
     for run in entry["runs"]:
       assert run["compiles"] >= 1 and "/jax/compilation_cache/cache_hits" not in run["cache_events"]
   text = (tmp_path / "compile_time.md").read_text()
-  for family in compile_time.FAMILIES:  # a row per family ("llama (contended)" under load)
+  for family in families:  # a row per family ("llama (contended)" under load)
     assert f"\n| {family} " in text
 
 
