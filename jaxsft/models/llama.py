@@ -38,7 +38,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxsft.models.families import (SUPPORTED_MODEL_TYPES, LlamaConfig, from_hf_config,  # noqa: F401
                                    to_hf_config)
-from jaxsft.quant.model import kernel_value
+from jaxsft.quant.kernel import kernel_value
 
 
 def resolve_dtype(dtype) -> jnp.dtype:

@@ -18,22 +18,11 @@ from flax import nnx
 
 from jaxsft.quant import formats
 from jaxsft.quant.formats import QuantizedTensor
+from jaxsft.quant.kernel import QuantizedKernel, kernel_value
 
 QUANTIZE_CHOICES = ("none", "int8", "nf4", "int4", "gguf")
 """`model.quantize`: none, a `jaxsft.quant.formats` format made at load time, or gguf (the
 file's own Q4_0 / Q4_1 / Q8_0 blocks)."""
-
-
-class QuantizedKernel(nnx.Variable):
-  """A frozen, block-quantized kernel (a `QuantizedTensor` value); never trained."""
-
-
-def kernel_value(variable: nnx.Variable, dtype) -> jax.Array:
-  """The kernel as a float array: dequantized (float32 math, then `dtype`) when quantized."""
-  value = variable.get_value()
-  if isinstance(value, QuantizedTensor):
-    return formats.dequantize(value, dtype)
-  return value
 
 
 def projections(model):
