@@ -94,11 +94,8 @@ def dense_attention(q, k, v, mask, scale):
 def auto_causal_block(length: int) -> int:
   """The query block of `causal_block_attention` for T = `length` when none is given: a quarter
   of the sequence, rounded up to a multiple of 8, within [64, 128] (T ≤ 64 runs as one block).
-  Measured on the real SmolLM2 train step (2-core CPU, float32, head-major blocks): at T = 128,
-  64 took 2.30 s against 2.32 s for 32 and 2.37 s for 128 (dense); at T = 256, 64 and 128 tied
-  (2.44 s); at T = 512, 128 took 5.52 s against 5.64 s for 64 and 5.76 s for 256; at T = 1024,
-  128 took 6.94 s against 7.29 s for 256 and 7.36 s for 64. Smaller blocks skip more of the
-  upper triangle but cost more per computed pair."""
+  Smaller blocks skip more of the upper triangle but cost more per computed pair; these bounds
+  were the fastest in the real SmolLM2 train step on a CPU (README, Performance)."""
   return min(128, max(64, -(-length // 32) * 8))
 
 

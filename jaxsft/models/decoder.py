@@ -65,11 +65,8 @@ REMAT_CHOICES = ("none", *REMAT_POLICIES)
 DEFAULT_REMAT = "dots_no_batch"
 """What a layer keeps by default: the projections' outputs and the attention's output with its
 softmax row statistics (`ATTENTION_RESIDUALS`); norms, RoPE, SiLU and the attention scores are
-recomputed in the backward pass instead of being stacked per layer. Measured on the real SmolLM2
-LoRA step (2-core CPU, float32, medians of interleaved fresh processes): at 8x128 2.35 s against
-2.37 s keeping every matmul output ("dots"); at 4x512 6.24 s against 6.37 s. Keeping the
-attention's output too: 6.10 s against 6.42 s at 4x512 (8x128 unchanged, 2.67 s against 2.65 s).
-Keeping everything ("none") made the 8x128 step 8-9% slower than keeping the matmul outputs."""
+recomputed in the backward pass instead of being stacked per layer, which costs more than the
+recomputation (README, Performance: "What the train step does for speed")."""
 
 
 # ---------------------------------------------------------------------------------------------
