@@ -51,11 +51,11 @@ def worker(framework: str, shapes: list[tuple[int, int]], threads: int, calls: i
       import jax
       import jax.numpy as jnp
 
-      from jaxsft.models import llama
+      from jaxsft.models.attention import attention_mask_4d, causal_block_attention
 
       jq, jk, jv, jw = (jnp.asarray(a) for a in (q, k, v, w))
-      mask = llama.attention_mask_4d(batch, length, jnp.ones((batch, length), jnp.int32), None, None)
-      attend = lambda q, k, v: llama.causal_block_attention(q, k, v, mask, scale, block=None,  # noqa: E731
+      mask = attention_mask_4d(batch, length, jnp.ones((batch, length), jnp.int32), None, None)
+      attend = lambda q, k, v: causal_block_attention(q, k, v, mask, scale, block=None,  # noqa: E731
                                                             sliding_window=None)
       fwd = jax.jit(attend)
       grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v) * jw), argnums=(0, 1, 2)))

@@ -6,7 +6,7 @@ Prints one JSON line per (dtype, attention, remat, shape): compile seconds (lowe
 one bucket shape), the median and minimum seconds of `--steps` steps after a warm-up step, and
 XLA's cost analysis of the compiled step (flops, bytes accessed: load-independent, loop bodies
 counted once). The loss is the train step's (LM head at trained positions only); the first half
-of every row is an untrained prompt. `--remat` takes `llama.REMAT_POLICIES` names (what the
+of every row is an untrained prompt. `--remat` takes `jaxsft.models.decoder.REMAT_POLICIES` names (what the
 layer scan saves for the backward pass) or none.
 """
 
@@ -26,7 +26,7 @@ from flax import nnx
 
 from jaxsft import lora, loss
 from jaxsft import step as step_lib
-from jaxsft.models import load_causal_lm, llama
+from jaxsft.models import hf_weights, load_causal_lm
 
 
 def lora_step(model, batch):
@@ -72,12 +72,12 @@ def main():
   parser.add_argument("--steps", type=int, default=3)
   args = parser.parse_args()
   base = load_causal_lm(args.model)
-  tensors = llama.to_hf_state_dict(base)
+  tensors = hf_weights.to_hf_state_dict(base)
   for dtype in args.dtype:
     for attention in args.attention:
       for remat in args.remat:
-        model = llama.from_hf_state_dict(base.config, tensors, dtype=dtype, attention=attention,
-                                         remat=None if remat == "none" else remat)
+        model = hf_weights.from_hf_state_dict(base.config, tensors, dtype=dtype, attention=attention,
+                                              remat=None if remat == "none" else remat)
         lora.apply_lora(model, r=8, alpha=16, target_modules=("q_proj", "v_proj"))
         for shape in args.shapes:
           b, t = map(int, shape.split("x"))

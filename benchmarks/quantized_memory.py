@@ -61,7 +61,7 @@ def base_bytes(config, fmt: str, dtype: str = "bfloat16") -> dict[str, int]:
   from flax import nnx
 
   from jaxsft import quant
-  from jaxsft.models.llama import CausalLM
+  from jaxsft.models.decoder import CausalLM
 
   if fmt == "none":
     model = nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))

@@ -297,7 +297,7 @@ def jax_parts(workdir, meta, shape, dtype) -> dict:
   from jaxsft import loss as loss_lib
   from jaxsft import lora
   from jaxsft import step as step_lib
-  from jaxsft.models import llama
+  from jaxsft.models.attention import ATTENTION, attention_mask_4d, self_attention
 
   batch = _load_batches(workdir, shape)[0]
   parts = {}
@@ -334,14 +334,14 @@ def jax_parts(workdir, meta, shape, dtype) -> dict:
   d, n, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
   q = jnp.asarray(rng.standard_normal((b, t, n, d)), model.dtype)
   k, v = (jnp.asarray(rng.standard_normal((b, t, kv, d)), model.dtype) for _ in range(2))
-  mask4d = llama.attention_mask_4d(b, t, mask, None, None)
+  mask4d = attention_mask_4d(b, t, mask, None, None)
   ct_a = jnp.asarray(rng.standard_normal((b, t, n, d)), model.dtype)
   attn_layer = model.layers.self_attn
 
   def attention(q, k, v):  # what a layer runs without a cache
     if attn_layer.attention == "xla":
-      return llama.self_attention(q, k, v, mask4d, d ** -0.5, block=attn_layer.causal_block, sliding_window=None)
-    return llama.ATTENTION[attn_layer.attention](q, k, v, mask4d, d ** -0.5)
+      return self_attention(q, k, v, mask4d, d ** -0.5, block=attn_layer.causal_block, sliding_window=None)
+    return ATTENTION[attn_layer.attention](q, k, v, mask4d, d ** -0.5)
 
   attn = jax.jit(jax.grad(lambda q, k, v: jnp.vdot(attention(q, k, v), ct_a), argnums=(0, 1, 2)))
   parts[f"attention alone x {cfg.num_layers} layers, fwd+bwd"] = cfg.num_layers * _median_time(lambda: attn(q, k, v), sync)

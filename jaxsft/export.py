@@ -67,13 +67,13 @@ def merged_state_dict(model) -> dict[str, np.ndarray]:
   import jax.numpy as jnp
 
   from jaxsft import lora
-  from jaxsft.models import llama
+  from jaxsft.models import hf_weights
 
   if model.dtype != jnp.float32:
     raise ValueError("merged_state_dict: load the base in float32 (the merge must not round twice)")
   if lora.lora_settings(model) is not None:
     lora.merge_lora(model)
-  return {k: np.asarray(v, np.float32) for k, v in llama.to_hf_state_dict(model).items()}
+  return {k: np.asarray(v, np.float32) for k, v in hf_weights.to_hf_state_dict(model).items()}
 
 
 def cast(tensors: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
@@ -107,9 +107,9 @@ def write_hf(folder: pathlib.Path, config, tensors: dict[str, np.ndarray], token
   from huggingface_hub import split_state_dict_into_shards_factory
   from safetensors.numpy import save_file
 
-  from jaxsft.models import llama
+  from jaxsft.models import families
 
-  hf_config = {**llama.to_hf_config(config), "torch_dtype": dtype, "dtype": dtype}
+  hf_config = {**families.to_hf_config(config), "torch_dtype": dtype, "dtype": dtype}
   (folder / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
   (folder / "generation_config.json").write_text(json.dumps(generation_config(config, tokenizer), indent=2) + "\n")
   split = split_state_dict_into_shards_factory(tensors, get_storage_size=lambda a: a.nbytes,

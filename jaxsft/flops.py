@@ -115,7 +115,7 @@ class StepFlops:
   @classmethod
   def from_model(cls, model, trainable) -> StepFlops:
     """From a `CausalLM` (LoRA applied or not) and the nnx filter of its trained params."""
-    from jaxsft.models.llama import Linear
+    from jaxsft.models.decoder import Linear
 
     is_trained = nnx.filterlib.to_predicate(trainable)
     trained = {".".join(map(str, path)) for path, value in nnx.iter_graph(model)

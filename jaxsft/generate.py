@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from jaxsft.errors import JaxsftError
-from jaxsft.models import llama
+from jaxsft.models.decoder import CausalLM
 
 
 class PromptTooLong(JaxsftError, ValueError):
@@ -101,7 +101,7 @@ def sample_token(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.A
 # The cached forward pass.
 
 
-def _last_token_logits(model: llama.CausalLM, tokens, positions, cache, start, key_mask):
+def _last_token_logits(model: CausalLM, tokens, positions, cache, start, key_mask):
   """Float32 logits (B, V) of the last of the new tokens, and the updated cache."""
   h, cache = model.cached_hidden_states(tokens, positions, cache, start, key_mask)
   return (h[:, -1] @ model.output_embedding().T).astype(jnp.float32), cache

@@ -13,7 +13,7 @@ Why not `nnx.LoRA`: it has no scale and no input dropout (both part of PEFT's ma
 scale must stay out of the saved B), and the decoder's weights are stacked over layers
 (L, in, out) for `lax.scan`. So the projections carry `nnx.LoRAParam` factors stacked the same
 way, (L, in, r) and (L, r, out), and apply them with a two-matmul expression
-(`jaxsft.models.llama.Linear`).
+(`jaxsft.models.decoder.Linear`).
 
 PEFT stores per layer `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` of
 shape (r, in) and `...lora_B.weight` of shape (out, r): the transposes of layer i's A and B.
@@ -76,7 +76,7 @@ class LoraSettings:
 def module_paths(model) -> dict[str, tuple[str, str]]:
   """The model's projections, name -> path inside a decoder layer (("self_attn", "q_proj"),
   ...), attention first: the modules `target_modules` may name."""
-  from jaxsft.models.llama import Linear  # models' loading imports this module
+  from jaxsft.models.decoder import Linear  # models' loading imports this module
 
   found = {str(path[1]): (str(path[0]), str(path[1])) for path, module in nnx.iter_graph(model.layers)
            if isinstance(module, Linear) and len(path) == 2}

@@ -11,14 +11,14 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from jaxsft import lora, loss
-from jaxsft.models import llama
+from jaxsft.models import decoder, families, hf_weights
 
-TINY = llama.LlamaConfig(vocab_size=53, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
-                         num_kv_heads=2, head_dim=8)
+TINY = families.LlamaConfig(vocab_size=53, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
+                            num_kv_heads=2, head_dim=8)
 
 
 def model(dtype="float32"):
-  return llama.init_random(TINY, seed=3, dtype=dtype)
+  return decoder.init_random(TINY, seed=3, dtype=dtype)
 
 
 def ids(b=2, t=7, seed=0):
@@ -86,7 +86,7 @@ def test_lora_math_matches_a_dense_update():
   x = ids()
   proj = m.layers.self_attn.o_proj
   delta = np.einsum("lir,lro->lio", np.asarray(proj.lora_a[...]), np.asarray(proj.lora_b[...])) * 3.0
-  dense = llama.from_hf_state_dict(TINY, llama.to_hf_state_dict(m))
+  dense = hf_weights.from_hf_state_dict(TINY, hf_weights.to_hf_state_dict(m))
   dense.layers.self_attn.o_proj.kernel.set_value(dense.layers.self_attn.o_proj.kernel[...] + delta)
   with jax.default_matmul_precision("highest"):
     np.testing.assert_allclose(np.asarray(m(x)), np.asarray(dense(x)), rtol=1e-5, atol=1e-5)

@@ -11,14 +11,15 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from jaxsft import loss
-from jaxsft.models import llama, loading
+from jaxsft.models import decoder, families, hf_weights, loading, rope
+from jaxsft.models.attention import attention_mask_4d, causal_block_attention, dense_attention
 
-TINY = llama.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=40, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=8, rope_theta=1000.0)
+TINY = families.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=40, num_layers=2, num_heads=4,
+                            num_kv_heads=2, head_dim=8, rope_theta=1000.0)
 
 
 def tiny_model(config=TINY, **kwargs):
-  model = llama.init_random(config, seed=1, **kwargs)
+  model = decoder.init_random(config, seed=1, **kwargs)
   # larger-than-default weights so that attention patterns (and mask bugs) matter
   for _, v in nnx.iter_graph(model):
     if isinstance(v, nnx.Param) and v.ndim >= 2:
@@ -39,7 +40,7 @@ def test_forward_shapes_and_dtypes():
   assert model.output_embedding().shape == (TINY.vocab_size, TINY.hidden_size)
   np.testing.assert_allclose(np.asarray(model.hidden_states(x) @ model.output_embedding().T),
                              np.asarray(logits), rtol=1e-6)
-  bf16 = llama.from_hf_state_dict(TINY, llama.to_hf_state_dict(model), dtype="bfloat16")
+  bf16 = hf_weights.from_hf_state_dict(TINY, hf_weights.to_hf_state_dict(model), dtype="bfloat16")
   assert bf16(x).dtype == jnp.bfloat16
   assert bf16.layers.self_attn.q_proj.kernel.dtype == jnp.bfloat16
   # bf16 stays close to f32 (same weights rounded)
@@ -48,21 +49,21 @@ def test_forward_shapes_and_dtypes():
 
 def test_hf_state_dict_round_trip_and_errors():
   model = tiny_model()
-  tensors = llama.to_hf_state_dict(model)
+  tensors = hf_weights.to_hf_state_dict(model)
   assert tensors["model.layers.1.self_attn.k_proj.weight"].shape == (2 * 8, 32)  # (out, in)
-  again = llama.from_hf_state_dict(TINY, tensors)
+  again = hf_weights.from_hf_state_dict(TINY, tensors)
   np.testing.assert_array_equal(np.asarray(again(ids(1, 5))), np.asarray(model(ids(1, 5))))
 
   missing = dict(tensors)
   del missing["model.layers.1.mlp.up_proj.weight"]
   with pytest.raises(KeyError, match="model.layers.1.mlp.up_proj.weight"):
-    llama.from_hf_state_dict(TINY, missing, source="x.safetensors")
+    hf_weights.from_hf_state_dict(TINY, missing, source="x.safetensors")
   wrong = dict(tensors, **{"model.layers.0.self_attn.q_proj.weight": np.zeros((32, 31), np.float32)})
   with pytest.raises(ValueError, match=r"q_proj.weight.*\(32, 31\)"):
-    llama.from_hf_state_dict(TINY, wrong)
+    hf_weights.from_hf_state_dict(TINY, wrong)
   extra = dict(tensors, **{"model.layers.0.self_attn.q_norm.weight": np.zeros(8, np.float32)})
   with pytest.raises(ValueError, match="q_norm"):
-    llama.from_hf_state_dict(TINY, extra)
+    hf_weights.from_hf_state_dict(TINY, extra)
 
 
 @pytest.mark.parametrize("cfg, message", [
@@ -80,7 +81,7 @@ def test_unsupported_architectures_are_named(cfg, message):
   base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
           "num_attention_heads": 2}
   with pytest.raises(ValueError, match=message):
-    llama.from_hf_config({**base, **cfg})
+    families.from_hf_config({**base, **cfg})
 
 
 def test_hf_config_legacy_and_v5_rope_keys_agree():
@@ -88,12 +89,12 @@ def test_hf_config_legacy_and_v5_rope_keys_agree():
           "num_hidden_layers": 1, "num_attention_heads": 2}
   scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
              "original_max_position_embeddings": 8192}
-  legacy = llama.from_hf_config({**base, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **scaling}})
-  v5 = llama.from_hf_config({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}})
+  legacy = families.from_hf_config({**base, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **scaling}})
+  v5 = families.from_hf_config({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}})
   assert legacy == v5 and legacy.rope_theta == 5e5 and dict(legacy.rope_scaling)["factor"] == 8.0
-  assert llama.from_hf_config(llama.to_hf_config(legacy)) == legacy
-  inv = llama.rope_inv_freq(legacy)
-  plain = llama.rope_inv_freq(llama.from_hf_config({**base, "rope_theta": 5e5}))
+  assert families.from_hf_config(families.to_hf_config(legacy)) == legacy
+  inv = rope.rope_inv_freq(legacy)
+  plain = rope.rope_inv_freq(families.from_hf_config({**base, "rope_theta": 5e5}))
   assert inv[0] == plain[0] and np.isclose(inv[-1], plain[-1] / 8)  # high freq kept, low freq / factor
 
 
@@ -133,13 +134,13 @@ def test_attention_implementations_agree():
 def test_causal_block_skipping_equals_dense_attention(sliding_window, packed):
   """"xla" computes causal self-attention per query block over the keys it can see; padding,
   packed segments and the sliding window give the dense result, forward and gradients."""
-  cfg = llama.LlamaConfig(**{**TINY.__dict__, "model_type": "mistral", "sliding_window": sliding_window})
+  cfg = families.LlamaConfig(**{**TINY.__dict__, "model_type": "mistral", "sliding_window": sliding_window})
   # tiny_model's scores reach ~500, a softmax so saturated that float32 rounding in any two
   # orders of summation moves the gradients by ~1e-3; q / 10 keeps sharp patterns (scores ~50)
   # that float32 resolves, so a tolerance of 1e-4 tests the blocking, not the rounding
-  weights = {k: v / 10 if "q_proj" in k else v for k, v in llama.to_hf_state_dict(tiny_model()).items()}
-  dense = llama.from_hf_state_dict(cfg, weights, attention="dense")
-  blocked = llama.from_hf_state_dict(cfg, weights, attention="xla", causal_block=4)
+  weights = {k: v / 10 if "q_proj" in k else v for k, v in hf_weights.to_hf_state_dict(tiny_model()).items()}
+  dense = hf_weights.from_hf_state_dict(cfg, weights, attention="dense")
+  blocked = hf_weights.from_hf_state_dict(cfg, weights, attention="xla", causal_block=4)
   x = ids(2, 14)
   mask = np.ones_like(x)
   mask[1, 11:] = 0  # right padding
@@ -174,16 +175,16 @@ def test_causal_block_attention_backward_equals_dense_autodiff(sliding_window):
   k, v = (jnp.asarray(rng.standard_normal((b, t, kv, d)), jnp.float32) for _ in range(2))
   attention_mask = np.ones((b, t), np.int32)
   attention_mask[1, :13] = 0
-  mask = llama.attention_mask_4d(b, t, jnp.asarray(attention_mask), None, sliding_window)
+  mask = attention_mask_4d(b, t, jnp.asarray(attention_mask), None, sliding_window)
   # weights only on real queries: a pad query's output is never trained
   w = jnp.asarray(rng.standard_normal((b, t, n, d)) * attention_mask[:, :, None, None], jnp.float32)
 
   def total(attend):
     return lambda q, k, v: jnp.sum(w * attend(q, k, v, mask, 0.3))
 
-  blocked = lambda *a: llama.causal_block_attention(*a, block=16, sliding_window=sliding_window)  # noqa: E731
+  blocked = lambda *a: causal_block_attention(*a, block=16, sliding_window=sliding_window)  # noqa: E731
   with jax.default_matmul_precision("highest"):
-    v1, g1 = jax.value_and_grad(total(llama.dense_attention), (0, 1, 2))(q, k, v)
+    v1, g1 = jax.value_and_grad(total(dense_attention), (0, 1, 2))(q, k, v)
     v2, g2 = jax.value_and_grad(total(blocked), (0, 1, 2))(q, k, v)
   np.testing.assert_allclose(float(v2), float(v1), rtol=1e-5)
   for dense_grad, block_grad in zip(g1, g2):
@@ -195,13 +196,13 @@ def test_causal_block_skipping_computes_less():
   b, t, n, d = 2, 64, 4, 8
   q = jax.ShapeDtypeStruct((b, t, n, d), jnp.float32)
   kv = jax.ShapeDtypeStruct((b, t, 2, d), jnp.float32)
-  mask = llama.attention_mask_4d(b, t, None, None, None)
+  mask = attention_mask_4d(b, t, None, None, None)
 
   def flops(fn):
     return jax.jit(lambda q, k, v: fn(q, k, v, mask, 0.3)).lower(q, kv, kv).compile().cost_analysis()["flops"]
 
-  blocked = flops(lambda *a: llama.causal_block_attention(*a, block=16, sliding_window=None))
-  dense = flops(llama.dense_attention)
+  blocked = flops(lambda *a: causal_block_attention(*a, block=16, sliding_window=None))
+  dense = flops(dense_attention)
   assert blocked < 0.75 * dense
 
 
@@ -209,11 +210,11 @@ def test_auto_dtype_is_float32_on_cpu_and_bfloat16_on_accelerators(monkeypatch):
   from jaxsft import config as config_lib
 
   assert config_lib.TrainConfig().model.dtype == "auto"
-  assert llama.resolve_dtype("auto") == jnp.float32  # the tests run on a CPU
+  assert decoder.resolve_dtype("auto") == jnp.float32  # the tests run on a CPU
   assert tiny_model(dtype="auto").layers.self_attn.q_proj.kernel.dtype == jnp.float32
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  assert llama.resolve_dtype("auto") == jnp.bfloat16
-  assert llama.resolve_dtype("float32") == jnp.float32
+  assert decoder.resolve_dtype("auto") == jnp.bfloat16
+  assert decoder.resolve_dtype("float32") == jnp.float32
 
 
 def test_attention_mask_hides_a_visible_pad():
@@ -245,8 +246,8 @@ def test_packed_row_equals_separate_rows():
 
 
 def test_sliding_window_limits_attention():
-  cfg = llama.LlamaConfig(**{**TINY.__dict__, "model_type": "mistral", "sliding_window": 3})
-  model = llama.from_hf_state_dict(cfg, llama.to_hf_state_dict(tiny_model()))
+  cfg = families.LlamaConfig(**{**TINY.__dict__, "model_type": "mistral", "sliding_window": 3})
+  model = hf_weights.from_hf_state_dict(cfg, hf_weights.to_hf_state_dict(tiny_model()))
   x = ids(1, 9)
   y = x.copy()
   y[0, 0] = 5
@@ -260,8 +261,8 @@ def test_sliding_window_limits_attention():
 @pytest.mark.parametrize("sliding_window", [None, 3])
 def test_cached_decoding_equals_the_full_forward(sliding_window):
   """Prefill + one-token cached steps give the logits of the uncached forward at those positions."""
-  cfg = llama.LlamaConfig(**{**TINY.__dict__, "model_type": "mistral", "sliding_window": sliding_window})
-  model = llama.from_hf_state_dict(cfg, llama.to_hf_state_dict(tiny_model()))
+  cfg = families.LlamaConfig(**{**TINY.__dict__, "model_type": "mistral", "sliding_window": sliding_window})
+  model = hf_weights.from_hf_state_dict(cfg, hf_weights.to_hf_state_dict(tiny_model()))
   x = ids(2, 10)
   mask = np.ones_like(x)
   mask[1, :2] = 0  # left padding: slots and positions differ by 2 in row 1
@@ -300,9 +301,9 @@ def test_remat_gives_the_same_gradients(remat):
 
 def test_hf_folder_loading(tmp_path):
   model = tiny_model()
-  config = {**llama.to_hf_config(TINY)}
+  config = {**families.to_hf_config(TINY)}
   (tmp_path / "config.json").write_text(json.dumps(config))
-  save_file(llama.to_hf_state_dict(model), str(tmp_path / "model.safetensors"))
+  save_file(hf_weights.to_hf_state_dict(model), str(tmp_path / "model.safetensors"))
   loaded = loading.load_causal_lm(str(tmp_path))
   assert loaded.config == TINY
   np.testing.assert_array_equal(np.asarray(loaded(ids(1, 4))), np.asarray(model(ids(1, 4))))
@@ -351,14 +352,14 @@ def write_tiny_gguf(path, tensors, config):
 def test_gguf_loading_undoes_the_llama_cpp_permutation_and_caches(tmp_path, monkeypatch):
   monkeypatch.setenv("JAXSFT_CACHE", str(tmp_path / "cache"))
   model = tiny_model()
-  tensors = llama.to_hf_state_dict(model)
+  tensors = hf_weights.to_hf_state_dict(model)
   write_tiny_gguf(tmp_path / "tiny.gguf", tensors, TINY)
   config, read = loading.read_gguf(tmp_path / "tiny.gguf")
   assert sorted(read) == sorted(tensors)
   for name in tensors:
     np.testing.assert_array_equal(read[name], tensors[name], err_msg=name)
-  assert llama.from_hf_config(config) == TINY.__class__(**{**TINY.__dict__, "max_position_embeddings": 256,
-                                                            "rms_norm_eps": config["rms_norm_eps"]})
+  assert families.from_hf_config(config) == TINY.__class__(**{**TINY.__dict__, "max_position_embeddings": 256,
+                                                               "rms_norm_eps": config["rms_norm_eps"]})
 
   loaded = loading.load_causal_lm(str(tmp_path / "tiny.gguf"))
   np.testing.assert_array_equal(np.asarray(loaded(ids(1, 6))), np.asarray(model(ids(1, 6))))

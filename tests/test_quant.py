@@ -15,7 +15,7 @@ from flax import nnx
 
 from jaxsft import lora as lora_lib
 from jaxsft import loss, quant
-from jaxsft.models import llama, loading
+from jaxsft.models import decoder, families, hf_weights, loading
 from jaxsft.quant import formats
 from tiny_model import FAMILY_CONFIGS, TINY, family_config
 
@@ -122,7 +122,7 @@ def test_quantized_path_equals_the_float_path_on_the_dequantized_weights(family)
   config = dataclasses.replace(TINY if family == "llama" else family_config(family), vocab_size=SMALL_VOCAB)
   assert family == "llama" or family in FAMILY_CONFIGS
   fmt = FAMILY_FORMATS[family]
-  model = llama.init_random(config, seed=3)
+  model = decoder.init_random(config, seed=3)
   quant.quantize_model(model, fmt, block=32)
   assert quant.is_quantized(model)
   _with_random_lora(model)
@@ -145,7 +145,7 @@ def test_quantized_path_equals_the_float_path_on_the_dequantized_weights(family)
 
 
 def test_the_optimizer_sees_only_lora_params_and_the_base_is_stored_quantized():
-  model = llama.init_random(dataclasses.replace(TINY, vocab_size=SMALL_VOCAB), seed=0)
+  model = decoder.init_random(dataclasses.replace(TINY, vocab_size=SMALL_VOCAB), seed=0)
   float_bytes = quant.tree_bytes(nnx.state(model))
   quant.quantize_model(model, "nf4", block=32)
   _with_random_lora(model)
@@ -182,7 +182,7 @@ def _write_quantized_gguf(path, model, ggml_type):
   names = {v: k for k, v in loading._GGUF_LAYER_NAMES.items()}
   globals_ = {v: k for k, v in loading._GGUF_GLOBAL_NAMES.items()}
   qtype = gguf.GGMLQuantizationType[ggml_type]
-  for name, value in llama.to_hf_state_dict(model).items():
+  for name, value in hf_weights.to_hf_state_dict(model).items():
     value = np.ascontiguousarray(value, np.float32)
     if name in globals_:
       writer.add_tensor(globals_[name], value)
@@ -206,9 +206,9 @@ def _write_quantized_gguf(path, model, ggml_type):
 @pytest.mark.slow
 def test_gguf_base_keeps_the_file_blocks_and_equals_the_dequantized_file(tmp_path, monkeypatch):
   monkeypatch.setenv("JAXSFT_CACHE", str(tmp_path / "cache"))
-  config = llama.LlamaConfig(vocab_size=61, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                             num_kv_heads=2, head_dim=16)
-  _write_quantized_gguf(tmp_path / "tiny.gguf", llama.init_random(config, seed=5), "Q4_1")
+  config = families.LlamaConfig(vocab_size=61, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                                num_kv_heads=2, head_dim=16)
+  _write_quantized_gguf(tmp_path / "tiny.gguf", decoder.init_random(config, seed=5), "Q4_1")
   plain = loading.load_causal_lm(str(tmp_path / "tiny.gguf"))  # dequantized by gguf, float32
   blocks = loading.load_causal_lm(str(tmp_path / "tiny.gguf"), quantize="gguf")
   assert blocks.quantize == "gguf"
@@ -223,7 +223,7 @@ def test_gguf_base_keeps_the_file_blocks_and_equals_the_dequantized_file(tmp_pat
 def test_gguf_quantize_needs_a_gguf_file_and_a_known_format(tmp_path):
   with pytest.raises(ValueError, match="quantize must be one of"):
     loading.load_causal_lm("smollm2-135m-instruct", quantize="fp8")
-  (tmp_path / "config.json").write_text(json.dumps(llama.to_hf_config(TINY)))
+  (tmp_path / "config.json").write_text(json.dumps(families.to_hf_config(TINY)))
   with pytest.raises(ValueError, match="is not a .gguf file"):
     loading.load_causal_lm(str(tmp_path), quantize="gguf")
 
@@ -327,7 +327,7 @@ def _worker_fsdp_quantized(out_path):
   from benchmarks import common
 
   config = dataclasses.replace(TINY, vocab_size=SMALL_VOCAB)
-  model = quant.quantize_model(llama.init_random(config, seed=7), "nf4", block=32)
+  model = quant.quantize_model(decoder.init_random(config, seed=7), "nf4", block=32)
   rng = np.random.default_rng(8)
   ids = rng.integers(3, SMALL_VOCAB, (2, 32)).astype(np.int32)
   labels = ids.copy()

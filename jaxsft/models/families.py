@@ -1,6 +1,6 @@
 """The supported model families and their Hugging Face `config.json`, read into one `LlamaConfig`.
 
-Every family is the same pre-built decoder (`jaxsft.models.llama.CausalLM`) with a few switches;
+Every family is the same pre-built decoder (`jaxsft.models.decoder.CausalLM`) with a few switches;
 this module says which switches each family sets and reads them from its config:
 
 | model_type    | architecture         | what differs from Llama                                      |

@@ -39,7 +39,7 @@ import numpy as np
 
 from jaxsft import run_files
 from jaxsft.errors import ModelError
-from jaxsft.models import families, llama
+from jaxsft.models import decoder, families, hf_weights
 from jaxsft.models.families import FULL, SLIDING
 from jaxsft.models.hub import ModelSource, load_tokenizer, resolve_model
 
@@ -109,7 +109,7 @@ _CACHE_FORMAT = "2"
 
 
 def load_model(name_or_path: str, *, dtype: str = "float32", attention: str = "xla",
-               remat: str | Callable | None = llama.DEFAULT_REMAT, quantize: str = "none",
+               remat: str | Callable | None = decoder.DEFAULT_REMAT, quantize: str = "none",
                quant_block_size: int = 64):
   """`(model, tokenizer)` for a short name, HF directory, hub id or `.gguf` file.
 
@@ -128,8 +128,8 @@ def load_model(name_or_path: str, *, dtype: str = "float32", attention: str = "x
 
 
 def load_causal_lm(source: ModelSource | str, *, dtype: str = "float32", attention: str = "xla",
-                   remat: str | Callable | None = llama.DEFAULT_REMAT, quantize: str = "none",
-                   quant_block_size: int = 64) -> llama.CausalLM:
+                   remat: str | Callable | None = decoder.DEFAULT_REMAT, quantize: str = "none",
+                   quant_block_size: int = 64) -> decoder.CausalLM:
   """The model alone (no tokenizer): `load_model` without the tokenizer files."""
   from jaxsft import quant
 
@@ -145,8 +145,8 @@ def load_causal_lm(source: ModelSource | str, *, dtype: str = "float32", attenti
   else:
     folder = _local_folder(source)
     hf_config, tensors, where = _read_hf_folder(folder)
-  config = llama.from_hf_config(hf_config)
-  model = llama.from_hf_state_dict(config, tensors, dtype=dtype, source=where, attention=attention,
+  config = families.from_hf_config(hf_config)
+  model = hf_weights.from_hf_state_dict(config, tensors, dtype=dtype, source=where, attention=attention,
                                    remat=remat)
   model.name_or_path = source.name  # recorded as base_model_name_or_path in adapter configs
   if quantize == "gguf":
@@ -179,7 +179,7 @@ def read_hf_config(folder: str | os.PathLike, *, architecture_only: bool = False
   if not isinstance(hf_config, dict):
     raise ModelError(f"{config_path}: expected a JSON object, got {type(hf_config).__name__}")
   try:
-    families.check_architecture(hf_config) if architecture_only else llama.from_hf_config(hf_config)
+    families.check_architecture(hf_config) if architecture_only else families.from_hf_config(hf_config)
   except (ValueError, KeyError, TypeError) as e:
     raise ModelError(f"{config_path}: {e if not isinstance(e, KeyError) else f'field {e} is missing'}") from None
   return hf_config

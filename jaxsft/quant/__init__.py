@@ -1,9 +1,9 @@
 """Quantized frozen bases (QLoRA): block formats, GGUF blocks, and the model hooks."""
 
 from jaxsft.quant.formats import FORMATS, NF4_CODE, QuantizedTensor, dequantize, quantize
-from jaxsft.quant.model import (QUANTIZE_CHOICES, QuantizedKernel, dequantize_model, is_quantized,
-                                kernel_value, load_gguf_blocks, param_count, quantize_model,
-                                tree_bytes)
+from jaxsft.quant.kernel import QuantizedKernel, kernel_value
+from jaxsft.quant.model import (QUANTIZE_CHOICES, dequantize_model, is_quantized, load_gguf_blocks,
+                                param_count, quantize_model, tree_bytes)
 
 __all__ = ["FORMATS", "NF4_CODE", "QUANTIZE_CHOICES", "QuantizedKernel", "QuantizedTensor", "dequantize",
            "dequantize_model", "is_quantized", "kernel_value", "load_gguf_blocks", "param_count", "quantize", "quantize_model",

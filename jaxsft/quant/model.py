@@ -1,6 +1,6 @@
 """A `CausalLM` whose frozen projection kernels are stored block-quantized (QLoRA).
 
-Each decoder projection (`jaxsft.models.llama.Linear`) keeps its stacked kernel (L, in, out)
+Each decoder projection (`jaxsft.models.decoder.Linear`) keeps its stacked kernel (L, in, out)
 as a `QuantizedKernel` variable holding a `QuantizedTensor`; `Linear` dequantizes it on use
 (`kernel_value`), inside the scanned and rematerialized layer body, so only one layer's float
 kernel exists at a time in the forward and in the backward pass. `QuantizedKernel` is not an
@@ -18,27 +18,16 @@ from flax import nnx
 
 from jaxsft.quant import formats
 from jaxsft.quant.formats import QuantizedTensor
+from jaxsft.quant.kernel import QuantizedKernel, kernel_value
 
 QUANTIZE_CHOICES = ("none", "int8", "nf4", "int4", "gguf")
 """`model.quantize`: none, a `jaxsft.quant.formats` format made at load time, or gguf (the
 file's own Q4_0 / Q4_1 / Q8_0 blocks)."""
 
 
-class QuantizedKernel(nnx.Variable):
-  """A frozen, block-quantized kernel (a `QuantizedTensor` value); never trained."""
-
-
-def kernel_value(variable: nnx.Variable, dtype) -> jax.Array:
-  """The kernel as a float array: dequantized (float32 math, then `dtype`) when quantized."""
-  value = variable.get_value()
-  if isinstance(value, QuantizedTensor):
-    return formats.dequantize(value, dtype)
-  return value
-
-
 def projections(model):
   """(dotted path inside the decoder layer, `Linear`) for every projection of `model`."""
-  from jaxsft.models.llama import Linear
+  from jaxsft.models.decoder import Linear
 
   return [(".".join(map(str, path)), module) for path, module in nnx.iter_graph(model.layers)
           if isinstance(module, Linear)]
@@ -123,7 +112,7 @@ def init_random_quantized(config, format: str, *, block: int = 64, dtype="bfloat
   """
   import ml_dtypes  # noqa: F401  (numpy's bfloat16)
 
-  from jaxsft.models.llama import CausalLM, resolve_dtype
+  from jaxsft.models.decoder import CausalLM, resolve_dtype
 
   dtype = resolve_dtype(dtype)
   model = nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, rngs=nnx.Rngs(0), **kwargs))

@@ -199,7 +199,7 @@ def probe_step_cost(cfg: config_lib.TrainConfig, graphdef, lora, frozen, mesh, w
 def resolve_peak_flops(cfg: config_lib.TrainConfig) -> float | None:
   """Peak FLOP/s of one device: the user's `logging.peak_flops`, else the table's for this
   device and compute dtype, else None (MFU is then not logged, FLOP/s are)."""
-  from jaxsft.models.llama import resolve_dtype
+  from jaxsft.models.decoder import resolve_dtype
 
   if cfg.logging.peak_flops:
     return cfg.logging.peak_flops

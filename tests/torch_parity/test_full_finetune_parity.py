@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxsft import config as config_lib
 from jaxsft import step as step_lib
-from jaxsft.models import llama
+from jaxsft.models import hf_weights
 from jaxsft.train import trainable_filter
 from parity_utils import batch_of, grad_rel_err, model_inputs, torch_logits
 
@@ -29,7 +29,7 @@ def _cfg():
 
 def _hf_named(graphdef, params, frozen) -> dict[str, np.ndarray]:
   """A params-shaped tree (weights or gradients) under transformers' names and layouts."""
-  return {k: np.asarray(v) for k, v in llama.to_hf_state_dict(nnx.merge(graphdef, params, frozen)).items()}
+  return {k: np.asarray(v) for k, v in hf_weights.to_hf_state_dict(nnx.merge(graphdef, params, frozen)).items()}
 
 
 @pytest.mark.slow

@@ -20,25 +20,26 @@ slots, so generation runs exactly the training layer math (masks, sliding window
 Projections keep weights as `kernel` (in, out) (y = x @ kernel), i.e. the transpose of the
 PyTorch `nn.Linear.weight`. LoRA factors, when `jaxsft.lora.apply_lora` adds them, live on the
 projections as `nnx.LoRAParam` `lora_a` (in, r) and `lora_b` (r, out), also stacked per layer.
+
+Its parts live beside it: RoPE in `jaxsft.models.rope`, the masks, the KV cache and the attention
+paths in `jaxsft.models.attention`, the mapping to and from Hugging Face weights in
+`jaxsft.models.hf_weights`, the configuration of every family in `jaxsft.models.families`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
-from jaxsft.models.families import (SUPPORTED_MODEL_TYPES, LlamaConfig, from_hf_config,  # noqa: F401
-                                   to_hf_config)
-from jaxsft.quant.model import kernel_value
+from jaxsft.models.attention import (ATTENTION, ATTENTION_RESIDUALS, KVCache, attention_mask_4d,
+                                     cache_attention_mask, self_attention)
+from jaxsft.models.families import LlamaConfig
+from jaxsft.models.rope import apply_rope, rope_inv_freq, rope_tables
+from jaxsft.quant.kernel import kernel_value
 
 
 def resolve_dtype(dtype) -> jnp.dtype:
@@ -50,289 +51,7 @@ def resolve_dtype(dtype) -> jnp.dtype:
 
 
 # ---------------------------------------------------------------------------------------------
-# RoPE, masks, attention
-
-
-@functools.lru_cache(maxsize=32)
-def _inv_freq(dim: int, theta: float, scaling: tuple[tuple[str, Any], ...] | None) -> np.ndarray:
-  exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-  inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)
-  if scaling is None:
-    return inv_freq
-  s = dict(scaling)
-  if s["rope_type"] == "linear":
-    return (inv_freq / np.float32(s["factor"])).astype(np.float32)
-  factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-  old_len = s["original_max_position_embeddings"]
-  wavelen = 2 * math.pi / inv_freq
-  scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-  smooth = (old_len / wavelen - low) / (high - low)
-  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-  medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
-  return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
-def rope_inv_freq(config: LlamaConfig, kind: str = "global") -> np.ndarray | None:
-  """Inverse frequencies θ^(-2i/d) over the rotary dims, float32 like transformers: "global"
-  with the config's scaling (Llama-3 or linear), "local" with `rope_local_theta` unscaled
-  (Gemma 3's sliding layers), "none" (no RoPE: None)."""
-  if kind == "none":
-    return None
-  if kind == "local":
-    return _inv_freq(config.rotary_dim, config.rope_local_theta, None)
-  return _inv_freq(config.rotary_dim, config.rope_theta, config.rope_scaling)
-
-
-def rope_tables(positions: jax.Array, inv_freq: np.ndarray | None, dtype, *,
-                rotary_dim: int | None = None) -> tuple[jax.Array, jax.Array]:
-  """cos, sin of shape (B, T, 1, R/2): one column per frequency (transformers repeats them
-  twice, rotate-half layout; `apply_rope` uses each for both halves). Without frequencies (a
-  layer without RoPE) cos = 1 and sin = 0, which `apply_rope` passes through exactly
-  (x·1 + r·0 = x)."""
-  if inv_freq is None:
-    shape = (*positions.shape, 1, rotary_dim // 2)
-    return jnp.ones(shape, dtype), jnp.zeros(shape, dtype)
-  freqs = positions.astype(jnp.float32)[..., None, None] * jnp.asarray(inv_freq)
-  return jnp.cos(freqs).astype(dtype), jnp.sin(freqs).astype(dtype)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-  """x * cos + rotate_half(x) * sin on (B, T, heads, D), over the first R = 2 * cos.shape[-1]
-  dimensions (partial rotary); the rest pass through.
-
-  The rotated dims are viewed as two halves (x₁, x₂), rotate_half(x) = (-x₂, x₁): a reversal of
-  that axis times a sign, the same products as transformers' concatenation, but an index map
-  that XLA fuses (forward and backward) instead of slices, pads and concatenations.
-  """
-  half = cos.shape[-1]
-  rot = 2 * half
-  if rot < x.shape[-1]:
-    return jnp.concatenate([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], axis=-1)
-  pairs = x.reshape(*x.shape[:-1], 2, half)
-  rotated = jnp.flip(pairs, axis=-2) * jnp.asarray([[-1], [1]], x.dtype)
-  return (pairs * cos[..., None, :] + rotated * sin[..., None, :]).reshape(x.shape)
-
-
-def causal_window(query_idx: jax.Array, key_idx: jax.Array, sliding_window: int | None) -> jax.Array:
-  """Boolean (1, Tq, S): key at or before the query and, with a window, less than it behind."""
-  allowed = (query_idx[:, None] >= key_idx[None, :])[None]
-  if sliding_window is not None:
-    allowed = allowed & ((query_idx[:, None] - key_idx[None, :]) < sliding_window)[None]
-  return allowed
-
-
-def attention_mask_4d(batch: int, length: int, attention_mask: jax.Array | None,
-                      segment_ids: jax.Array | None, sliding_window: int | None) -> jax.Array:
-  """Boolean (B, 1, T, T): causal, real keys only, same segment, optional sliding window.
-
-  A query whose every key is masked (a padding position with no real key before it) is left
-  to the attention's finite large-negative fill: it gets a uniform average, never NaN, and
-  its output only reaches positions whose labels are -100.
-  """
-  idx = jnp.arange(length)
-  allowed = causal_window(idx, idx, sliding_window)
-  if attention_mask is not None:
-    allowed = allowed & (attention_mask[:, None, :] != 0)
-  if segment_ids is not None:
-    allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
-  return jnp.broadcast_to(allowed, (batch, length, length))[:, None]
-
-
-def cache_attention_mask(start, num_new: int, key_mask: jax.Array,
-                         sliding_window: int | None) -> jax.Array:
-  """Boolean (B, 1, t, S) for t new tokens at cache slots [start, start + t) over S slots.
-
-  Causal by slot, visible key slots only (`key_mask` (B, S) != 0), and the window counted in
-  slots: the cache's user must lay tokens out so that slot distance is position distance.
-  """
-  slots = jnp.arange(key_mask.shape[1])
-  allowed = causal_window(start + jnp.arange(num_new), slots, sliding_window)
-  return (allowed & (key_mask[:, None, :] != 0))[:, None]
-
-
-class KVCache(NamedTuple):
-  """Rotated keys and the values at every cache slot: (B, S, K, D) for one layer, (L, B, S, K, D)
-  for the stacked decoder (the layer scan hands each layer its own slice)."""
-
-  keys: jax.Array
-  values: jax.Array
-
-  def write(self, keys: jax.Array, values: jax.Array, start) -> KVCache:
-    """The cache with the (B, t, K, D) keys/values of t new tokens at slots [start, start + t)."""
-    def put(cache, new):
-      return jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), start, axis=1)
-    return KVCache(put(self.keys, keys), put(self.values, values))
-
-
-def einsum_attention(q, k, v, mask, scale):
-  """Grouped-query attention with einsums: q (B,T,N,D), k/v (B,S,K,D), mask (B,1,T,S)."""
-  b, t, n, d = q.shape
-  kv_heads = k.shape[2]
-  q = q.reshape(b, t, kv_heads, n // kv_heads, d)
-  scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
-  scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-  return out.reshape(b, t, n, d)
-
-
-def dense_attention(q, k, v, mask, scale):
-  """`jax.nn.dot_product_attention`, XLA implementation, every (query, key) pair computed
-  (handles GQA and float32 softmax)."""
-  return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="xla")
-
-
-def auto_causal_block(length: int) -> int:
-  """The query block of `causal_block_attention` for T = `length` when none is given: a quarter
-  of the sequence, rounded up to a multiple of 8, within [64, 128] (T ≤ 64 runs as one block).
-  Measured on the real SmolLM2 train step (2-core CPU, float32, head-major blocks): at T = 128,
-  64 took 2.30 s against 2.32 s for 32 and 2.37 s for 128 (dense); at T = 256, 64 and 128 tied
-  (2.44 s); at T = 512, 128 took 5.52 s against 5.64 s for 64 and 5.76 s for 256; at T = 1024,
-  128 took 6.94 s against 7.29 s for 256 and 7.36 s for 64. Smaller blocks skip more of the
-  upper triangle but cost more per computed pair."""
-  return min(128, max(64, -(-length // 32) * 8))
-
-
-def causal_block_attention(q, k, v, mask, scale, *, block: int | None, sliding_window: int | None):
-  """`dense_attention` of causal self-attention, query block by query block, over only the keys
-  a block can see: [max(0, start - window + 1), stop) for queries [start, stop).
-
-  The key blocks above the diagonal (and, with a window, those behind it) are never computed:
-  for T = n·block that is (n + 1) / 2n of the dense work, e.g. 3/4 at T = 512, block 256.
-  `mask` (B, 1, T, T) still applies inside each block (padding, packed segments), so the
-  result is the dense one whenever `mask` is causal (and windowed by `sliding_window`).
-  `block` None: `auto_causal_block(T)`.
-
-  q, k and v are laid out head-major once, (B, K, G, T, D) and (B, K, S, D) for K key/value
-  heads of G queries each, so every block is a slice and the grouped products need no further
-  copies; the softmax is float32 and masked keys get `dense_attention`'s large negative score.
-  The backward pass is FlashAttention's (`_block_attention_bwd`).
-  """
-  b, t, n, d = q.shape
-  kv_heads = k.shape[2]
-  qh = q.reshape(b, t, kv_heads, n // kv_heads, d).transpose(0, 2, 3, 1, 4)
-  kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-  blocks = query_blocks(t, auto_causal_block(t) if block is None else block, sliding_window)
-  out = _block_attention(qh, kh, vh, mask, float(scale), blocks)
-  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, d)
-
-
-def query_blocks(length: int, block: int, sliding_window: int | None) -> tuple[tuple[int, int, int], ...]:
-  """(first key, start, stop) per query block [start, stop): the keys [first key, stop) it sees."""
-  return tuple((0 if sliding_window is None else max(0, start - sliding_window + 1), start,
-                min(start + block, length)) for start in range(0, length, block))
-
-
-_MASKED_SCORE = -0.7 * float(np.finfo(np.float32).max)
-ATTENTION_RESIDUALS = ("attention_out", "attention_max", "attention_inv_sum")
-
-
-def _block_rows(x, start, stop):
-  """Queries [start, stop) of (B, K, G, T, D) as (B, K, G·t, D): one product per key/value head."""
-  b, kv_heads, _, _, d = x.shape
-  return x[:, :, :, start:stop].reshape(b, kv_heads, -1, d)
-
-
-def _block_scores(qh, kh, mask, scale, first_key, start, stop):
-  """Masked float32 scores of a query block, (B, K, G, t, s)."""
-  b, kv_heads, groups, _, _ = qh.shape
-  scores = jnp.einsum("bkmd,bksd->bkms", _block_rows(qh, start, stop), kh[:, :, first_key:stop],
-                      preferred_element_type=jnp.float32) * jnp.float32(scale)
-  scores = scores.reshape(b, kv_heads, groups, stop - start, stop - first_key)
-  return jnp.where(mask[:, :, None, start:stop, first_key:stop], scores, _MASKED_SCORE)
-
-
-def _block_attention_fwd(qh, kh, vh, mask, scale, blocks):
-  """Softmax(Q Kᵀ · scale) V block by block; saves each query's row maximum and 1 / row sum."""
-  b, kv_heads, groups, _, d = qh.shape
-  outs, maxes, inv_sums = [], [], []
-  for first_key, start, stop in blocks:
-    scores = _block_scores(qh, kh, mask, scale, first_key, start, stop)
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
-    exp = jnp.exp(scores - row_max)
-    inv_sum = 1.0 / jnp.sum(exp, axis=-1, keepdims=True)
-    probs = (exp * inv_sum).astype(vh.dtype).reshape(b, kv_heads, -1, stop - first_key)
-    out = jnp.einsum("bkms,bksd->bkmd", probs, vh[:, :, first_key:stop])
-    outs.append(out.reshape(b, kv_heads, groups, stop - start, d))
-    maxes.append(row_max)
-    inv_sums.append(inv_sum)
-  # Named so that a layer's remat policy can keep them (`ATTENTION_RESIDUALS`): the backward
-  # pass then needs no second forward pass through the attention.
-  out, row_max, inv_sum = (checkpoint_name(jnp.concatenate(xs, axis=3), name)
-                           for xs, name in zip((outs, maxes, inv_sums), ATTENTION_RESIDUALS))
-  return out, (qh, kh, vh, mask, out, row_max, inv_sum)
-
-
-def _block_attention_bwd(scale, blocks, residuals, d_out):
-  """FlashAttention's backward pass, block by block, with P = exp(S - max) / sum recomputed
-  from the saved row statistics and Δ = rowsum(dO ⊙ O) (= rowsum(dP ⊙ P)):
-    dV = Pᵀ dO,   dS = P ⊙ (dO Vᵀ - Δ) · scale,   dQ = dS K,   dK = dSᵀ Q.
-  dV and dK are computed transposed, (dOᵀ P)ᵀ and (Qᵀ dS)ᵀ, from (D, G·t) copies of the small
-  operands: every product then contracts a minor axis of its first operand."""
-  qh, kh, vh, mask, out, row_max, inv_sum = residuals
-  b, kv_heads, groups, _, d = qh.shape
-  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
-  dq_blocks = []
-  dk_t = jnp.zeros((b, kv_heads, d, kh.shape[2]), jnp.float32)
-  dv_t = jnp.zeros((b, kv_heads, d, vh.shape[2]), jnp.float32)
-  for first_key, start, stop in blocks:
-    rows = slice(start, stop)
-    scores = _block_scores(qh, kh, mask, scale, first_key, start, stop)
-    probs = jnp.exp(scores - row_max[:, :, :, rows]) * inv_sum[:, :, :, rows]
-    d_block = _block_rows(d_out, start, stop)  # (B, K, G·t, D)
-    flat = lambda x: x.reshape(b, kv_heads, -1, stop - first_key)  # noqa: E731
-    dv_t = dv_t.at[:, :, :, first_key:stop].add(jnp.einsum(
-        "bkdm,bkms->bkds", d_block.swapaxes(2, 3), flat(probs).astype(vh.dtype),
-        preferred_element_type=jnp.float32))
-    d_probs = jnp.einsum("bkmd,bksd->bkms", d_block, vh[:, :, first_key:stop], preferred_element_type=jnp.float32)
-    d_scores = flat(probs * (d_probs.reshape(probs.shape) - delta[:, :, :, rows]) * jnp.float32(scale))
-    d_scores = d_scores.astype(qh.dtype)
-    dq = jnp.einsum("bkms,bksd->bkmd", d_scores, kh[:, :, first_key:stop], preferred_element_type=jnp.float32)
-    dq_blocks.append(dq.reshape(b, kv_heads, groups, stop - start, d))
-    dk_t = dk_t.at[:, :, :, first_key:stop].add(jnp.einsum(
-        "bkdm,bkms->bkds", _block_rows(qh, start, stop).swapaxes(2, 3), d_scores,
-        preferred_element_type=jnp.float32))
-  dq = jnp.concatenate(dq_blocks, axis=3)
-  return (dq.astype(qh.dtype), dk_t.swapaxes(2, 3).astype(kh.dtype), dv_t.swapaxes(2, 3).astype(vh.dtype), None)
-
-
-_block_attention = jax.custom_vjp(lambda qh, kh, vh, mask, scale, blocks:
-                                  _block_attention_fwd(qh, kh, vh, mask, scale, blocks)[0],
-                                  nondiff_argnums=(4, 5))
-_block_attention.defvjp(_block_attention_fwd, _block_attention_bwd)
-
-
-def cudnn_attention(q, k, v, mask, scale, *, sliding_window: int | None):
-  """cuDNN flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`) for causal
-  self-attention in 16-bit floats on an NVIDIA GPU: causal and window blocks are skipped by the
-  kernel (`is_causal`, `local_window_size`), `mask` adds padding and packed segments."""
-  window = None if sliding_window is None else (sliding_window - 1, 0)
-  return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=True,
-                                      local_window_size=window, implementation="cudnn")
-
-
-def self_attention(q, k, v, mask, scale, *, block: int | None, sliding_window: int | None):
-  """Causal self-attention (no cache) by the fastest path the backend offers.
-
-  GPU with bfloat16/float16: cuDNN (`cudnn_attention`); anywhere else, or when cuDNN refuses
-  the shapes while tracing: `causal_block_attention`.
-  """
-  if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
-    try:
-      return cudnn_attention(q, k, v, mask, scale, sliding_window=sliding_window)
-    except (NotImplementedError, ValueError, RuntimeError):  # e.g. a head size cuDNN lacks
-      pass
-  return causal_block_attention(q, k, v, mask, scale, block=block, sliding_window=sliding_window)
-
-
-def xla_attention(q, k, v, mask, scale):
-  """The "xla" attention with a cache (decoding) or any non-causal mask: `dense_attention`."""
-  return dense_attention(q, k, v, mask, scale)
-
-
-# name -> attention over a KV cache / any mask. Without a cache, "xla" runs `self_attention`
-# (causal block skipping, cuDNN on a GPU); "dense" always computes every pair.
-ATTENTION = {"einsum": einsum_attention, "xla": xla_attention, "dense": dense_attention}
+# What each layer keeps for the backward pass (`CausalLM(remat=...)`, `model.remat`).
 
 _policies = jax.checkpoint_policies
 _keep_attention = _policies.save_only_these_names(*ATTENTION_RESIDUALS)
@@ -346,11 +65,8 @@ REMAT_CHOICES = ("none", *REMAT_POLICIES)
 DEFAULT_REMAT = "dots_no_batch"
 """What a layer keeps by default: the projections' outputs and the attention's output with its
 softmax row statistics (`ATTENTION_RESIDUALS`); norms, RoPE, SiLU and the attention scores are
-recomputed in the backward pass instead of being stacked per layer. Measured on the real SmolLM2
-LoRA step (2-core CPU, float32, medians of interleaved fresh processes): at 8x128 2.35 s against
-2.37 s keeping every matmul output ("dots"); at 4x512 6.24 s against 6.37 s. Keeping the
-attention's output too: 6.10 s against 6.42 s at 4x512 (8x128 unchanged, 2.67 s against 2.65 s).
-Keeping everything ("none") made the 8x128 step 8-9% slower than keeping the matmul outputs."""
+recomputed in the backward pass instead of being stacked per layer, which costs more than the
+recomputation (README, Performance: "What the train step does for speed")."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -725,77 +441,3 @@ Llama = CausalLM
 def init_random(config: LlamaConfig, *, dtype="float32", seed: int = 0, **kwargs) -> CausalLM:
   """A randomly initialized model (tests, benchmarks)."""
   return CausalLM(config, dtype=dtype, rngs=nnx.Rngs(seed), **kwargs)
-
-
-def from_hf_state_dict(config: LlamaConfig, tensors: Mapping[str, np.ndarray], *, dtype="float32",
-                       source: str = "state dict", **kwargs) -> CausalLM:
-  """Build a `CausalLM` from Hugging Face named weights (`model.layers.0.self_attn.q_proj.weight`, ...).
-
-  Every expected tensor must be present with the HF shape and every given tensor must be used
-  (rotary buffers excepted): a mismatch is an error naming the tensor and `source`.
-  """
-  dtype = resolve_dtype(dtype)
-  model = nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, rngs=nnx.Rngs(0), **kwargs))
-  used: set[str] = set()
-
-  def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
-    if name not in tensors:
-      raise KeyError(f"{source}: missing tensor {name!r} (expected shape {shape}) for {config.architecture}")
-    value = np.asarray(tensors[name])
-    if value.shape != shape:
-      raise ValueError(f"{source}: tensor {name!r} has shape {value.shape}, expected {shape} "
-                       f"for {config.architecture} (another model?)")
-    used.add(name)
-    return value
-
-  def assign(variable: nnx.Variable, value: np.ndarray):
-    variable.set_value(jnp.asarray(value, dtype))
-
-  h, v = config.hidden_size, config.vocab_size
-  assign(model.embed_tokens, take("model.embed_tokens.weight", (v, h)))
-  assign(model.norm.weight, take("model.norm.weight", (h,)))
-  if model.lm_head is not None:
-    assign(model.lm_head, take("lm_head.weight", (v, h)))
-  elif "lm_head.weight" in tensors:
-    used.add("lm_head.weight")  # tied: a saved copy of the embedding is redundant
-
-  for path, variable in nnx.iter_graph(model.layers):
-    if not isinstance(variable, nnx.Param) or isinstance(variable, nnx.LoRAParam):
-      continue
-    module_path = ".".join(str(p) for p in path[:-1])
-    leaf = path[-1]
-    per_layer_shape = tuple(variable.shape[1:])
-    if leaf == "kernel":  # (in, out) here, (out, in) in PyTorch
-      hf_shape = per_layer_shape[::-1]
-      values = [take(f"model.layers.{i}.{module_path}.weight", hf_shape).T for i in range(config.num_layers)]
-    else:  # bias, norm weight
-      values = [take(f"model.layers.{i}.{module_path}.{leaf}", per_layer_shape)
-                for i in range(config.num_layers)]
-    assign(variable, np.stack(values))
-
-  unused = sorted(k for k in tensors if k not in used and not k.endswith("rotary_emb.inv_freq"))
-  if unused:
-    raise ValueError(f"{source}: tensors not used by {config.architecture}: {unused[:8]}"
-                     f"{' ...' if len(unused) > 8 else ''}")
-  return model
-
-
-def to_hf_state_dict(model: CausalLM) -> dict[str, np.ndarray]:
-  """The inverse of `from_hf_state_dict` (base weights only; merge LoRA first to export it)."""
-  config = model.config
-  out = {"model.embed_tokens.weight": np.asarray(model.embed_tokens[...]),
-         "model.norm.weight": np.asarray(model.norm.weight[...])}
-  if model.lm_head is not None:
-    out["lm_head.weight"] = np.asarray(model.lm_head[...])
-  for path, variable in nnx.iter_graph(model.layers):
-    if not isinstance(variable, nnx.Param) or isinstance(variable, nnx.LoRAParam):
-      continue
-    module_path = ".".join(str(p) for p in path[:-1])
-    leaf = path[-1]
-    stacked = np.asarray(variable[...])
-    for i in range(config.num_layers):
-      if leaf == "kernel":
-        out[f"model.layers.{i}.{module_path}.weight"] = np.ascontiguousarray(stacked[i].T)
-      else:
-        out[f"model.layers.{i}.{module_path}.{leaf}"] = stacked[i]
-  return out
