@@ -3,7 +3,8 @@
 from jaxsft.models.hub import ModelSource, load_tokenizer, resolve_model
 from jaxsft.models.llama import (CausalLM, Llama, LlamaConfig, from_hf_config, from_hf_state_dict,
                                  init_random, to_hf_config, to_hf_state_dict)
-from jaxsft.models.loading import load_causal_lm, load_model, read_gguf
+from jaxsft.models.gguf import read_gguf
+from jaxsft.models.loading import load_causal_lm, load_model
 
 __all__ = [
     "CausalLM", "Llama", "LlamaConfig", "ModelSource", "from_hf_config", "from_hf_state_dict",
