@@ -16,12 +16,12 @@ alpha / √r with rsLoRA), and only then cast to `--dtype`, so the cast rounds o
   `convert_hf_to_gguf.py` writes the family (GGUF arch llama for Llama and Mistral, qwen2, qwen3,
   gemma3, smollm3, phi3, olmo2): architecture metadata, the tokenizer (vocabulary, merges,
   special ids, chat template) and the tensors in llama.cpp's names and layout (q/k rows permuted
-  for llama and smollm3, the inverse of `jaxsft.models.loading.unpermute_qk`; Gemma 3 norms as
-  1 + w; Phi-3's fused attn_qkv and gate_up in ffn_up); `q8_0` quantizes the matrices, norms stay
-  float32. A model llama.cpp would run differently (`gguf_refusal`: e.g. a Gemma 3 whose sliding
-  pattern, local RoPE base or attention scale llama.cpp fixes otherwise, a SmolLM3 whose NoPE
-  layers are not every 4th, sliding windows on an arch without them, Llama-3 RoPE scaling) is
-  refused with the reason (exit 2).
+  for llama and smollm3; Gemma 3 norms as 1 + w; Phi-3's fused attn_qkv and gate_up in ffn_up),
+  all of it in `jaxsft.models.gguf`; `q8_0` quantizes the matrices, norms stay float32. A model
+  llama.cpp would run differently (`gguf_refusal`: e.g. a Gemma 3 whose sliding pattern, local
+  RoPE base or attention scale llama.cpp fixes otherwise, a SmolLM3 whose NoPE layers are not
+  every 4th, sliding windows on an arch without them, Llama-3 RoPE scaling) is refused with the
+  reason (exit 2).
 
 Everything is built in a temporary folder beside `--out` and swapped in whole; an existing
 `--out` is refused unless `--overwrite`, which replaces only an earlier export; an `--out` that
@@ -125,134 +125,13 @@ def write_hf(folder: pathlib.Path, config, tensors: dict[str, np.ndarray], token
 
 
 # ---------------------------------------------------------------------------------------------
-# GGUF.
-
-# jaxsft model_type -> GGUF `general.architecture` (llama.cpp converts Mistral as llama).
-_GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
-              "smollm3": "smollm3", "phi3": "phi3", "olmo2": "olmo2"}
-
-
-def permute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
-  """llama.cpp's `permute` of q/k rows (rotate-half halves -> interleaved RoPE pairs).
-
-  Rows of each head are reshaped as (2, d/2) and transposed to (d/2, 2); `unpermute_qk` in
-  jaxsft.models.loading is its inverse.
-  """
-  w = weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
-  return w.swapaxes(1, 2).reshape(weight.shape)
-
-
-def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
-  """The GGUF name of a Hugging Face tensor name in GGUF architecture `arch`."""
-  from jaxsft.models.loading import _GGUF_GLOBAL_NAMES, gguf_layer_names
-
-  globals_ = {v: k for k, v in _GGUF_GLOBAL_NAMES.items()}
-  if hf_name in globals_:
-    return globals_[hf_name]
-  layers = {v: k for k, v in gguf_layer_names(arch).items()}
-  parts = hf_name.split(".")  # model.layers.{i}.<module path>.<leaf>
-  if parts[:2] != ["model", "layers"]:
-    raise ValueError(f"no GGUF name for tensor {hf_name!r}")
-  module = ".".join(parts[3:-1])
-  if module not in layers:
-    raise ValueError(f"no GGUF name for tensor {hf_name!r} in GGUF architecture {arch}")
-  return f"blk.{parts[2]}.{layers[module]}.{parts[-1]}"
-
-
-def gguf_refusal(config) -> str | None:
-  """Why `config` has no GGUF file that llama.cpp runs as jaxsft does (None: it has one).
-
-  llama.cpp reads some settings from no key at all (src/llama-model.cpp): Gemma 3's sliding
-  pattern (layer i slides iff i % 6 < 5), its sliding layers' RoPE base (10000) and its
-  attention scale (1/sqrt(head_dim); 1/sqrt(hidden/heads) at 62 layers), SmolLM3's NoPE layers
-  (every 4th). llama, qwen2, qwen3 and smollm3 have no sliding window in llama.cpp (olmo2's is
-  OLMo 3's, which jaxsft does not write), and Llama-3 RoPE scaling would need the rope_freqs
-  tensor jaxsft does not write.
-  """
-  from jaxsft.models import loading
-
-  kind = config.model_type
-  arch = _GGUF_ARCH.get(kind)
-  if arch is None:
-    return f"no GGUF architecture for {kind}"
-  layers = config.num_layers
-  scaling = dict(config.rope_scaling or {})
-  if scaling.get("rope_type") not in (None, "linear"):
-    return (f"{scaling['rope_type']} RoPE scaling: llama.cpp stores it as a rope_freqs tensor, which jaxsft "
-            f"does not write (linear scaling is written)")
-  act = "gelu_pytorch_tanh" if arch == "gemma3" else "silu"
-  if config.hidden_act != act:
-    return f"llama.cpp's {arch} uses {act}, this model {config.hidden_act}"
-  if arch not in ("llama", "qwen2") and (config.qkv_bias or config.o_bias or config.mlp_bias):
-    return f"jaxsft writes {arch} without bias tensors"
-  sliding = tuple(w is not None for w in config.layer_windows())
-  if arch == "gemma3":
-    want = loading.gemma3_sliding_layers(layers)
-    if config.sliding_window is None or sliding != want:
-      return (f"llama.cpp's gemma3 slides exactly the layers i with i % {loading.GEMMA3_SLIDING_PERIOD} < "
-              f"{loading.GEMMA3_SLIDING_PERIOD - 1} (no GGUF key sets the pattern); this model slides "
-              f"{[i for i, s in enumerate(sliding) if s]} of {layers}")
-    if config.rope_local_theta != loading.GEMMA3_LOCAL_ROPE_BASE:
-      return (f"llama.cpp's gemma3 fixes the sliding layers' RoPE base at {loading.GEMMA3_LOCAL_ROPE_BASE:g}; "
-              f"this model's is {config.rope_local_theta:g}")
-    scalar = loading.gemma3_query_pre_attn_scalar(layers, config.hidden_size, config.num_heads, config.head_dim)
-    if config.query_pre_attn_scalar != scalar:
-      return (f"llama.cpp's gemma3 scales attention by 1/sqrt({scalar}) (head_dim, or hidden/heads at 62 "
-              f"layers) and reads no key for it; this model's query_pre_attn_scalar is "
-              f"{config.query_pre_attn_scalar:g}")
-  elif arch != "phi3" and config.sliding_window is not None:
-    return f"sliding-window attention (window {config.sliding_window}): jaxsft writes {arch} without one"
-  if arch == "smollm3":
-    rope = config.layer_rope or (True,) * layers
-    if rope != loading.smollm3_rope_layers(layers):
-      return (f"llama.cpp's smollm3 leaves RoPE out of exactly the layers i with (i + 1) % "
-              f"{loading.SMOLLM3_NO_ROPE_STEP} == 0 (no GGUF key sets them); this model leaves it out of "
-              f"{[i for i, r in enumerate(rope) if not r]}")
-  return None
-
-
-def _gguf_tokenizer_fields(tokenizer, source_gguf: str | None) -> dict[str, Any]:
-  """tokenizer.* metadata: copied from the source GGUF when there is one, else built from a
-  byte-level BPE fast tokenizer (vocabulary, merges, token types, special ids)."""
-  fields: dict[str, Any] = {}
-  if source_gguf is not None:
-    from jaxsft.models.loading import open_gguf
-
-    reader = open_gguf(source_gguf)
-    for key, field in reader.fields.items():
-      if key.startswith("tokenizer."):
-        fields[key] = (field.contents(), field.types)
-    return fields
-  spec = json.loads(tokenizer.backend_tokenizer.to_str())
-  model = spec["model"]
-  if model.get("type") != "BPE":
-    raise ExportError(f"GGUF export builds byte-level BPE tokenizers only; this one is {model.get('type')!r} "
-                      f"(export --format hf instead)")
-  vocab = sorted(model["vocab"].items(), key=lambda kv: kv[1])
-  tokens = [t for t, _ in vocab]
-  for added in spec.get("added_tokens", []):
-    while len(tokens) <= added["id"]:
-      tokens.append(f"[PAD{len(tokens)}]")
-    tokens[added["id"]] = added["content"]
-  special = {a["id"] for a in spec.get("added_tokens", []) if a.get("special")}
-  user = {a["id"] for a in spec.get("added_tokens", []) if not a.get("special")}
-  types = [3 if i in special else 4 if i in user else 1 for i in range(len(tokens))]  # CONTROL, USER_DEFINED, NORMAL
-  merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-  fields["tokenizer.ggml.model"] = "gpt2"
-  fields["tokenizer.ggml.tokens"] = tokens
-  fields["tokenizer.ggml.token_type"] = types
-  fields["tokenizer.ggml.merges"] = merges
-  for key, token_id in (("bos_token_id", tokenizer.bos_token_id), ("eos_token_id", tokenizer.eos_token_id),
-                        ("padding_token_id", tokenizer.pad_token_id), ("unknown_token_id", tokenizer.unk_token_id)):
-    if token_id is not None:
-      fields[f"tokenizer.ggml.{key}"] = int(token_id)
-  if tokenizer.chat_template:
-    fields["tokenizer.chat_template"] = tokenizer.chat_template
-  return fields
+# GGUF (`jaxsft.models.gguf` writes the file).
 
 
 def check_gguf(config) -> None:
   """`ExportError` naming the family and the reason when `gguf_refusal` finds one."""
+  from jaxsft.models.gguf import gguf_refusal
+
   reason = gguf_refusal(config)
   if reason is not None:
     raise ExportError(f"GGUF export cannot express this {config.model_type} model: {reason} "
@@ -262,77 +141,16 @@ def check_gguf(config) -> None:
 def write_gguf(path: pathlib.Path, config, tensors: dict[str, np.ndarray], tokenizer, dtype: str,
                source_gguf: str | None, name: str) -> None:
   """`tensors` (HF names, float32) as a GGUF file in llama.cpp's conventions for `config`'s
-  family (refused by `check_gguf` first)."""
-  import gguf
-  from gguf import GGMLQuantizationType as Q
-
-  from jaxsft.models import loading
+  family (`jaxsft.models.gguf.write_gguf`; refused by `check_gguf` first), with the tokenizer of
+  `source_gguf` when the base was one, else `tokenizer`'s."""
+  from jaxsft.models import gguf
 
   check_gguf(config)
-  arch = _GGUF_ARCH[config.model_type]
-  writer = gguf.GGUFWriter(str(path), arch)
-  writer.add_name(name)
-  writer.add_context_length(config.max_position_embeddings)
-  writer.add_embedding_length(config.hidden_size)
-  writer.add_block_count(config.num_layers)
-  writer.add_feed_forward_length(config.intermediate_size)
-  writer.add_head_count(config.num_heads)
-  writer.add_head_count_kv(config.num_kv_heads)
-  writer.add_key_length(config.head_dim)
-  writer.add_value_length(config.head_dim)
-  writer.add_rope_dimension_count(config.rotary_dim)  # Phi-3: the partial rotary dims
-  writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-  writer.add_rope_freq_base(config.rope_theta)
-  if config.rope_scaling:  # linear (gguf_refusal): llama.cpp divides the frequencies by the factor
-    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-    writer.add_rope_scaling_factor(dict(config.rope_scaling)["factor"])
-  if arch == "gemma3":
-    writer.add_sliding_window(config.sliding_window)
-    writer.add_rope_freq_base_swa(config.rope_local_theta)  # = llama.cpp's fixed base (gguf_refusal)
-  elif arch == "phi3":  # as llama.cpp's converter: 0 for none
-    writer.add_sliding_window(config.sliding_window or 0)
-  writer.add_vocab_size(config.vocab_size)
-  file_type = {"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16,
-               "bfloat16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
-  writer.add_file_type(file_type)
-  writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-  for key, value in _gguf_tokenizer_fields(tokenizer, source_gguf).items():
-    if isinstance(value, tuple):  # copied from a GGUF: (value, field types)
-      value, types = value
-      if types[0] == gguf.GGUFValueType.ARRAY:
-        writer.add_array(key, value)
-      else:
-        writer.add_key_value(key, value, types[0])
-    elif isinstance(value, list):
-      writer.add_array(key, value)
-    elif isinstance(value, str):
-      writer.add_string(key, value)
-    else:
-      writer.add_uint32(key, value)
-
-  for hf_name, value in tensors.items():
-    if config.tie_word_embeddings and hf_name == "lm_head.weight":
-      continue
-    value = np.asarray(value, np.float32)
-    if arch in loading.GGUF_PERMUTED_QK_ARCHS and (".q_proj." in hf_name or ".k_proj." in hf_name):
-      value = permute_qk(value, config.num_heads if ".q_proj." in hf_name else config.num_kv_heads)
-    if arch in loading.GGUF_NORM_PLUS_ONE_ARCHS and hf_name.endswith("norm.weight"):
-      value = value + np.float32(1)
-    gguf_name = gguf_tensor_name(hf_name, arch)
-    if value.ndim == 1 or dtype == "float32":  # norms and biases stay float32, as llama.cpp keeps them
-      writer.add_tensor(gguf_name, np.ascontiguousarray(value, np.float32))
-    elif dtype == "float16":
-      writer.add_tensor(gguf_name, np.ascontiguousarray(value, np.float16))
-    else:
-      qtype = Q.BF16 if dtype == "bfloat16" else Q.Q8_0
-      if qtype == Q.Q8_0 and value.shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0]:
-        writer.add_tensor(gguf_name, np.ascontiguousarray(value, np.float16))  # rows not in 32-blocks
-        continue
-      writer.add_tensor(gguf_name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
-  writer.write_header_to_file()
-  writer.write_kv_data_to_file()
-  writer.write_tensors_to_file()
-  writer.close()
+  try:
+    tokenizer_fields = gguf.gguf_tokenizer_fields(tokenizer, source_gguf)
+  except gguf.TokenizerNotConvertible as e:
+    raise ExportError(str(e)) from None
+  gguf.write_gguf(path, config, tensors, tokenizer_fields, dtype, name)
 
 
 # ---------------------------------------------------------------------------------------------

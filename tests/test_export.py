@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from jaxsft import export, models
-from jaxsft.models import loading
+from jaxsft.models.gguf import gguf_config, gguf_refusal, read_gguf
+from jaxsft.models.gguf.llama_cpp import permute_qk, unpermute_qk
 from tuned_tiny import TINY_CHAT, make_adapter, make_model_dir, make_run_dir, tuned_model, without_torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -95,9 +96,9 @@ def test_gguf_export_is_in_llama_cpp_layout(tiny):
   assert "output.weight" in tensors and "blk.1.ffn_down.weight" in tensors
   merged = export.merged_state_dict(tuned_model(tiny["model"], tiny["adapter"])[0])
   q = merged["model.layers.0.self_attn.q_proj.weight"]
-  np.testing.assert_array_equal(tensors["blk.0.attn_q.weight"], export.permute_qk(q, TINY_CHAT.num_heads))
+  np.testing.assert_array_equal(tensors["blk.0.attn_q.weight"], permute_qk(q, TINY_CHAT.num_heads))
   assert not np.array_equal(tensors["blk.0.attn_q.weight"], q)  # the permutation is not the identity
-  np.testing.assert_array_equal(loading.unpermute_qk(export.permute_qk(q, 4), 4), q)
+  np.testing.assert_array_equal(unpermute_qk(permute_qk(q, 4), 4), q)
 
 
 @pytest.mark.slow
@@ -162,8 +163,8 @@ def test_cli_bad_inputs_exit_2_and_write_nothing(tiny, tmp_path, tokenizer, run_
 
 
 # ---------------------------------------------------------------------------------------------
-# GGUF of the other families, in llama.cpp's conventions (jaxsft.export.gguf_refusal says which
-# settings llama.cpp fixes without a key; those variants are refused below).
+# GGUF of the other families, in llama.cpp's conventions (jaxsft.models.gguf.gguf_refusal says
+# which settings llama.cpp fixes without a key; those variants are refused below).
 
 L6 = ["sliding_attention"] * 5 + ["full_attention"]
 # The tiny family configs of tiny_model.FAMILY_CONFIGS, changed only where llama.cpp has no key
@@ -251,7 +252,7 @@ def test_family_gguf_is_in_llama_cpp_layout(family_gguf):
   q = tensors["model.layers.0.self_attn.q_proj.weight" if kind != "phi3" else "model.layers.0.self_attn.qkv_proj.weight"]
   stored_q = stored["blk.0.attn_q.weight" if kind != "phi3" else "blk.0.attn_qkv.weight"]
   if kind == "smollm3":
-    np.testing.assert_array_equal(stored_q, export.permute_qk(q, config.num_heads))
+    np.testing.assert_array_equal(stored_q, permute_qk(q, config.num_heads))
   else:
     np.testing.assert_array_equal(stored_q, q)
   for gguf_name, value in expected.items():
@@ -296,7 +297,7 @@ def test_gguf_export_of_the_tiny_family_models_refuses_them_writing_nothing(tmp_
     with pytest.raises(export.ExportError, match=f"GGUF export cannot express this {kind} model"):
       export.export(str(folder), None, tmp_path / f"{kind}-gguf", fmt="gguf")
     assert not (tmp_path / f"{kind}-gguf").exists()
-  assert export.gguf_refusal(family_config("phi3")) is None and export.gguf_refusal(family_config("olmo2")) is None
+  assert gguf_refusal(family_config("phi3")) is None and gguf_refusal(family_config("olmo2")) is None
 
 
 def metadata_gguf(path, arch, *edits, tensors=("token_embd.weight",)):
@@ -341,12 +342,12 @@ def test_gguf_reading_refuses_files_it_cannot_read_faithfully(tmp_path):
   for name, (arch, edits, tensors, message) in cases.items():
     path = metadata_gguf(tmp_path / f"{name}.gguf", arch, *edits, tensors=tensors or ("token_embd.weight",))
     with pytest.raises(ValueError, match=message):
-      loading.read_gguf(path)
+      read_gguf(path)
   # the keys a newer converter adds are read when they agree with what llama.cpp fixes
   path = metadata_gguf(tmp_path / "gemma3.gguf", "gemma3", window, ("add_sliding_window_pattern", 6),
                        ("add_rope_freq_base_swa", 1e4), ("add_key_length", 16))
   from gguf import GGUFReader
 
-  config = models.from_hf_config(loading.gguf_config(GGUFReader(str(path)), str(path)))
+  config = models.from_hf_config(gguf_config(GGUFReader(str(path)), str(path)))
   assert config.layer_windows() == (16,) * 5 + (None,) and config.rope_local_theta == 1e4
   assert config.query_pre_attn_scalar == 16 and config.norm_unit_offset

@@ -13,6 +13,8 @@ from safetensors.numpy import save_file
 from jaxsft import loss
 from jaxsft.models import decoder, families, hf_weights, loading, rope
 from jaxsft.models.attention import attention_mask_4d, causal_block_attention, dense_attention
+from jaxsft.models.gguf import read_gguf
+from jaxsft.models.gguf.names import GGUF_GLOBAL_NAMES, gguf_layer_names
 
 TINY = families.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=40, num_layers=2, num_heads=4,
                             num_kv_heads=2, head_dim=8, rope_theta=1000.0)
@@ -331,10 +333,10 @@ def write_tiny_gguf(path, tensors, config):
   writer.add_rope_freq_base(config.rope_theta)
   writer.add_layer_norm_rms_eps(config.rms_norm_eps)
   writer.add_vocab_size(config.vocab_size)
-  names = {v: k for k, v in loading._GGUF_LAYER_NAMES.items()}
+  names = {v: k for k, v in gguf_layer_names("llama").items()}
   for name, value in tensors.items():
     if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
-      gguf_name = {v: k for k, v in loading._GGUF_GLOBAL_NAMES.items()}[name]
+      gguf_name = {v: k for k, v in GGUF_GLOBAL_NAMES.items()}[name]
     else:
       _, _, i, *rest = name.split(".")
       gguf_name = f"blk.{i}.{names['.'.join(rest[:-1])]}.{rest[-1]}"
@@ -354,7 +356,7 @@ def test_gguf_loading_undoes_the_llama_cpp_permutation_and_caches(tmp_path, monk
   model = tiny_model()
   tensors = hf_weights.to_hf_state_dict(model)
   write_tiny_gguf(tmp_path / "tiny.gguf", tensors, TINY)
-  config, read = loading.read_gguf(tmp_path / "tiny.gguf")
+  config, read = read_gguf(tmp_path / "tiny.gguf")
   assert sorted(read) == sorted(tensors)
   for name in tensors:
     np.testing.assert_array_equal(read[name], tensors[name], err_msg=name)

@@ -16,6 +16,7 @@ from flax import nnx
 from jaxsft import lora as lora_lib
 from jaxsft import loss, quant
 from jaxsft.models import decoder, families, hf_weights, loading
+from jaxsft.models.gguf.names import GGUF_GLOBAL_NAMES, gguf_layer_names
 from jaxsft.quant import formats
 from tiny_model import FAMILY_CONFIGS, TINY, family_config
 
@@ -179,8 +180,8 @@ def _write_quantized_gguf(path, model, ggml_type):
   writer.add_rope_freq_base(config.rope_theta)
   writer.add_layer_norm_rms_eps(config.rms_norm_eps)
   writer.add_vocab_size(config.vocab_size)
-  names = {v: k for k, v in loading._GGUF_LAYER_NAMES.items()}
-  globals_ = {v: k for k, v in loading._GGUF_GLOBAL_NAMES.items()}
+  names = {v: k for k, v in gguf_layer_names("llama").items()}
+  globals_ = {v: k for k, v in GGUF_GLOBAL_NAMES.items()}
   qtype = gguf.GGMLQuantizationType[ggml_type]
   for name, value in hf_weights.to_hf_state_dict(model).items():
     value = np.ascontiguousarray(value, np.float32)

@@ -4,7 +4,8 @@ from jaxsft.models.decoder import CausalLM, Llama, init_random
 from jaxsft.models.families import LlamaConfig, from_hf_config, to_hf_config
 from jaxsft.models.hf_weights import from_hf_state_dict, to_hf_state_dict
 from jaxsft.models.hub import ModelSource, load_tokenizer, resolve_model
-from jaxsft.models.loading import load_causal_lm, load_model, read_gguf
+from jaxsft.models.gguf import read_gguf
+from jaxsft.models.loading import load_causal_lm, load_model
 
 __all__ = [
     "CausalLM", "Llama", "LlamaConfig", "ModelSource", "from_hf_config", "from_hf_state_dict",

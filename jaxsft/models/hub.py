@@ -1,8 +1,8 @@
 """Where a model comes from: a short name, a Hugging Face directory, a hub id, or a GGUF file.
 
 `resolve_model` turns what the user typed into a `ModelSource`; `load_tokenizer` loads the
-tokenizer for it and caches a copy as plain Hugging Face files, so the second load does not
-parse the GGUF again. Nothing here imports torch.
+tokenizer for it (a GGUF's through `jaxsft.models.gguf.tokenizer`) and caches a copy as plain
+Hugging Face files, so the second load does not parse the GGUF again. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -91,41 +91,9 @@ def load_tokenizer(source: ModelSource | str):
   cached = source.cache_dir / "tokenizer"
   if (cached / "tokenizer_config.json").is_file():
     return AutoTokenizer.from_pretrained(str(cached))
+  from jaxsft.models.gguf.tokenizer import tokenizer_from_gguf
+
   tokenizer = tokenizer_from_gguf(os.path.join(source.path, source.gguf_file))
   # Swapped in whole: a half-written cache is never read (a racing process writes the same files).
   run_files.replace_directory(cached, lambda tmp: tokenizer.save_pretrained(str(tmp)))
   return AutoTokenizer.from_pretrained(str(cached))
-
-
-def _gguf_metadata(path: str) -> dict:
-  """Every GGUF key-value pair (arrays as lists), read with the `gguf` package."""
-  from jaxsft.models.loading import open_gguf
-
-  reader = open_gguf(path)
-  return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
-
-
-def tokenizer_from_gguf(path: str):
-  """The fast tokenizer a GGUF file describes, built without torch.
-
-  `AutoTokenizer.from_pretrained(dir, gguf_file=...)` reads the file through transformers' GGUF
-  reader, which imports torch. This reads the same metadata with the `gguf` package and hands it
-  to transformers' own (torch-free) converter, so the result is the tokenizer transformers builds
-  (same vocabulary, merges, special tokens and chat template).
-  """
-  from transformers import PreTrainedTokenizerFast
-  from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping
-
-  metadata = _gguf_metadata(path)
-  groups = {
-      group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in metadata}
-      for group, renames in mapping.GGUF_TOKENIZER_MAPPING.items()
-  }
-  tokenizer_dict, tokenizer_config = groups["tokenizer"], groups["tokenizer_config"]
-  if tokenizer_dict.get("tokenizer_type") == "llama":
-    tokenizer_config.setdefault("add_bos_token", True)  # as transformers does for sentencepiece files
-  for name, key in mapping._SPECIAL_TOKENS.items():
-    token_id = metadata.get(f"tokenizer.ggml.{key}")
-    tokenizer_config[name] = tokenizer_dict["tokens"][token_id] if token_id is not None else None
-  backend, extra = mapping.convert_gguf_tokenizer(metadata["general.architecture"], tokenizer_dict)
-  return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)

@@ -12,8 +12,8 @@ d and m stay float16 (5 bits a weight for Q4_1, not 6) and are widened to float3
 gguf does: c · d is exact in float32 (an 11-bit mantissa times a 4-bit integer), so
 `dequantize` equals `gguf.quants.dequantize` bit for bit.
 
-llama.cpp's q/k row permutation (`jaxsft.models.loading.unpermute_qk`) moves whole rows, i.e.
-whole blocks, so it is undone exactly on the codes and scales.
+llama.cpp's q/k row permutation (`jaxsft.models.gguf.llama_cpp.unpermute_qk`) moves whole
+rows, i.e. whole blocks, so it is undone exactly on the codes and scales.
 """
 
 from __future__ import annotations

@@ -73,20 +73,22 @@ def load_gguf_blocks(model, gguf_path: str) -> None:
   """
   from gguf import GGUFReader
 
-  from jaxsft.models import loading
+  from jaxsft.models.gguf import llama_cpp
+  from jaxsft.models.gguf.names import gguf_layer_names
+  from jaxsft.models.gguf.read import gguf_field
   from jaxsft.quant import gguf as gguf_quant
 
   reader = GGUFReader(str(gguf_path))
-  arch = loading._field(reader, "general.architecture")
-  by_module = {hf: name for name, hf in loading.gguf_layer_names(arch).items()}
+  arch = gguf_field(reader, "general.architecture")
+  by_module = {hf: name for name, hf in gguf_layer_names(arch).items()}
   tensors = {t.name: t for t in reader.tensors}
   cfg = model.config
   for path, proj in projections(model):
     name = by_module[path]
     row_map = None
-    if arch in loading.GGUF_PERMUTED_QK_ARCHS and name in ("attn_q", "attn_k"):
+    if arch in llama_cpp.GGUF_PERMUTED_QK_ARCHS and name in ("attn_q", "attn_k"):
       heads = cfg.num_heads if name == "attn_q" else cfg.num_kv_heads
-      row_map = lambda x, heads=heads: loading.unpermute_qk(x, heads)  # noqa: E731
+      row_map = lambda x, heads=heads: llama_cpp.unpermute_qk(x, heads)  # noqa: E731
     try:
       layers = [gguf_quant.gguf_blocks(tensors[f"blk.{i}.{name}.weight"], row_map) for i in range(cfg.num_layers)]
     except ValueError as e:

@@ -26,7 +26,8 @@ import transformers
 from conftest import tiny_hf_config
 
 from jaxsft import export, models
-from jaxsft.models import loading
+from jaxsft.models.gguf import gguf_refusal
+from jaxsft.models.gguf.llama_cpp import gemma3_sliding_layers
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # Gemma 3 here has head_dim 256 (see above) and sqrt(hidden)-scaled embeddings: float32 rounding
@@ -43,7 +44,7 @@ def gguf_hf_config(kind):
     config.layer_types = [FULL] * config.num_hidden_layers
   elif kind == "gemma3_text":
     config.num_hidden_layers = 6
-    config.layer_types = [SLIDING if s else FULL for s in loading.gemma3_sliding_layers(6)]
+    config.layer_types = [SLIDING if s else FULL for s in gemma3_sliding_layers(6)]
     config.head_dim = config.query_pre_attn_scalar = 256
     config.rope_parameters = {FULL: {"rope_type": "default", "rope_theta": 1e6},
                               SLIDING: {"rope_type": "default", "rope_theta": 1e4}}
@@ -65,7 +66,7 @@ def test_gguf_export_loads_in_transformers_to_the_jaxsft_logits(kind, tokenizer,
   hf.save_pretrained(tmp_path / "hf")
   tokenizer.save_pretrained(tmp_path / "hf")
   jax_model = models.load_causal_lm(str(tmp_path / "hf"), dtype="float32")
-  assert export.gguf_refusal(jax_model.config) is None
+  assert gguf_refusal(jax_model.config) is None
 
   out = export.export(str(tmp_path / "hf"), None, tmp_path / "gguf", fmt="gguf", dtype="float32")
   from_gguf = transformers.AutoModelForCausalLM.from_pretrained(out, gguf_file="model.gguf",
