@@ -48,7 +48,7 @@ from jaxsft.data.choose import choose_packing_widths, packed_batches_per_shape
 from jaxsft.data.collate import bucket_index, choose_buckets
 from jaxsft.data.cost import DEFAULT_COST
 from jaxsft.data.packing import packed_batches
-from jaxsft.data.tokenize import TokenizedRecords, _encode_with_length, _record_error, tokenize_records
+from jaxsft.data.tokenize import TokenizedRecords, encode_with_length, record_error, tokenize_records
 from jaxsft.labels import IGNORE_INDEX
 
 BATCHING = ("static", "dynamic", "bucketed", "packed", "bucketed_packed")
@@ -126,10 +126,10 @@ class _TokenizeStep:
     else:
       record = self.records[record_index]
       try:
-        example, full_length = _encode_with_length(self.tokenizer, record, max_length=self.max_length,
-                                                   train_on=self.train_on)
+        example, full_length = encode_with_length(self.tokenizer, record, max_length=self.max_length,
+                                                  train_on=self.train_on)
       except ValueError as e:  # a DataError naming the record's file and line where it knows them
-        raise _record_error(e, record, record_index) from None
+        raise record_error(e, record, record_index) from None
     out = dict(example) if example is not None else {}
     out.update(epoch=index // self.num_records, full_length=full_length)
     return out

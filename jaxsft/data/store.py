@@ -46,8 +46,8 @@ import numpy as np
 
 from jaxsft import run_files
 from jaxsft.data.records import SkipReport
-from jaxsft.data.tokenize import (PLAIN_CHAT_TEMPLATE, TokenizedRecords, _backend, _bos_prefix, encode_rendered,
-                                  iter_rendered)
+from jaxsft.data.template import PLAIN_CHAT_TEMPLATE, bos_prefix
+from jaxsft.data.tokenize import TokenizedRecords, encode_rendered, fast_backend, iter_rendered
 from jaxsft.errors import JaxsftError
 from jaxsft.labels import IGNORE_INDEX
 from jaxsft.models.hub import jaxsft_cache
@@ -88,8 +88,8 @@ def tokenizer_digest(tokenizer) -> str:
   """SHA-256 of what the tokenizer contributes to the tokens: its serialized Rust tokenizer
   (vocabulary, merges, pre-tokenizer, added tokens), chat template, special tokens and BOS rule."""
   digest = hashlib.sha256()
-  for part in (_backend(tokenizer).to_str(), getattr(tokenizer, "chat_template", None) or PLAIN_CHAT_TEMPLATE,
-               json.dumps(dict(tokenizer.special_tokens_map), sort_keys=True, default=str), _bos_prefix(tokenizer)):
+  for part in (fast_backend(tokenizer).to_str(), getattr(tokenizer, "chat_template", None) or PLAIN_CHAT_TEMPLATE,
+               json.dumps(dict(tokenizer.special_tokens_map), sort_keys=True, default=str), bos_prefix(tokenizer)):
     digest.update(str(part).encode() + b"\0")
   return digest.hexdigest()  # not cached on the tokenizer: a copy with another template must differ
 
@@ -134,7 +134,7 @@ def build_store(folder: str | os.PathLike, path, tokenizer, *, max_length: int, 
   cannot label is one of them, rendered as it is read, so `on_error="skip"` skips and counts it."""
   folder = pathlib.Path(folder)
   t0 = time.perf_counter()
-  vocab = _backend(tokenizer).get_vocab_size(with_added_tokens=True)
+  vocab = fast_backend(tokenizer).get_vocab_size(with_added_tokens=True)
   token_dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.int32)
   report = SkipReport()
   tokens, trained, texts = (_Writer(folder / name) for name in _BLOBS)
