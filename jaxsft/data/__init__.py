@@ -1,7 +1,7 @@
 """Instruction data: loading, chat-template masking, collation, bucket choice, Grain batches.
 
 records.py (files -> chat records), template.py (chat templates: rendering, the trained reply spans),
-tokenize.py (records -> token ids and labels; `TokenizedRecords`),
+tokenize.py (records -> token ids and labels), examples.py (`TokenizedRecords`, in memory or from a store),
 collate.py (padding, bucket choice), bucketing.py (length-grouped batching, bucketed packing),
 packing.py (packed modes), pipeline.py (the Grain chain and its entry points), cost.py (the
 collation cost model), choose.py (plans priced by it: packing widths, `batching: auto`), store.py
@@ -16,7 +16,8 @@ from jaxsft.data.records import (FORMATS, ON_ERROR, DataError, Record, SkipRepor
                                  normalize_record)
 from jaxsft.data.store import StoreError, TokenStore, open_or_build
 from jaxsft.data.template import PLAIN_CHAT_TEMPLATE, TRAIN_ON, SpanRenderer, render_with_spans
-from jaxsft.data.tokenize import TokenizedRecords, encode_batches, tokenize_example, tokenize_file, tokenize_records
+from jaxsft.data.examples import TokenizedRecords
+from jaxsft.data.tokenize import encode_batches, tokenize_example, tokenize_file, tokenize_records
 from jaxsft.labels import IGNORE_INDEX  # re-exported: jaxsft.data.IGNORE_INDEX
 
 __all__ = [

@@ -48,7 +48,8 @@ from jaxsft.data.choose import choose_packing_widths, packed_batches_per_shape
 from jaxsft.data.collate import bucket_index, choose_buckets
 from jaxsft.data.cost import DEFAULT_COST
 from jaxsft.data.packing import packed_batches
-from jaxsft.data.tokenize import TokenizedRecords, encode_with_length, record_error, tokenize_records
+from jaxsft.data.examples import TokenizedRecords
+from jaxsft.data.tokenize import encode_with_length, record_error, tokenize_records
 from jaxsft.labels import IGNORE_INDEX
 
 BATCHING = ("static", "dynamic", "bucketed", "packed", "bucketed_packed")
@@ -360,13 +361,6 @@ def batch_shapes(records: Sequence[dict] | None = None, tokenizer=None, *, lengt
   return sorted(zip(plan.batch_sizes, plan.bucket_lengths))
 
 
-def _record_lengths(tokenized: TokenizedRecords) -> np.ndarray:
-  """Per record, the kept example's length (0 when dropped), read from a store's length arrays."""
-  if hasattr(tokenized.examples, "length_view"):
-    return np.asarray(tokenized.examples.length_view().lengths, dtype=np.int64)
-  return np.array([0 if e is None else len(e["input_ids"]) for e in tokenized.examples], dtype=np.int64)
-
-
 def count_batches(tokenized: TokenizedRecords, *, max_length: int, batching: str = "bucketed",
                   bucket_lengths: Sequence[int] | None = None, num_buckets: int = 8, batch_size: int = 8,
                   tokens_per_batch: int | None = None, pad_to_multiple_of: int = 8, batch_multiple_of: int = 1,
@@ -386,15 +380,14 @@ def count_batches(tokenized: TokenizedRecords, *, max_length: int, batching: str
   lengths = tokenized.lengths
   plan = options.plan(lengths=lengths, epoch_size=len(tokenized), pad_token_id=0)
   if batching == "packed":
-    if hasattr(tokenized.examples, "length_view"):  # a store: pack length stand-ins, read no example
-      tokenized = TokenizedRecords(tokenized.examples.length_view(), tokenized.full_lengths, max_length, train_on)
+    tokenized = tokenized.length_view()  # a store's: length stand-ins, no example is read
     step = _TokenizeStep(None, None, max_length=max_length, train_on=train_on, tokenized=tokenized)
     stream = _example_stream(step, seed=seed, shuffle=shuffle, num_epochs=1, worker_count=0, unchunk=False)
     return sum(1 for _ in packed_batches(stream, plan, seed=seed, stats=None, rows_to_batch=len))
   if batching == "bucketed_packed":  # first-fit per width in the epoch's order, as the batcher packs
     epoch = grain.MapDataset.range(len(tokenized))
     order = np.asarray(list((epoch.shuffle(seed=seed) if shuffle else epoch).repeat(1)), dtype=np.int64)
-    in_order = _record_lengths(tokenized)[order]
+    in_order = tokenized.examples.record_lengths()[order]  # a store's: from its length arrays
     return sum(packed_batches_per_shape(in_order[in_order > 0], plan.bucket_lengths,
                                         dict(zip(plan.bucket_lengths, plan.batch_sizes)).__getitem__).values())
   if plan.bucket_lengths is None:  # dynamic: one queue

@@ -38,6 +38,7 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from jaxsft.data.examples import ExampleList, TokenizedRecords
 from jaxsft.data.records import DataError, SkipReport, iter_records
 from jaxsft.data.template import SpanRenderer, render_with_spans
 from jaxsft.labels import IGNORE_INDEX
@@ -104,84 +105,6 @@ def encode_with_length(tokenizer, record: dict, *, max_length: int, train_on: st
   text, spans = render_with_spans(tokenizer, record, train_on=train_on)
   enc = fast_backend(tokenizer).encode(text, add_special_tokens=False)
   return _finish(enc.ids, enc.offsets, spans, max_length)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)  # eq=False: identity, not an elementwise array comparison
-class TokenizedRecords:
-  """Every record of a list tokenized once with one `max_length` and `train_on`.
-
-  The caller owns it and passes it to `make_batches`, `batch_shapes` and `count_batches`, which
-  then encode nothing; they raise ValueError when its record count, `max_length` or `train_on`
-  differ from theirs. Treat it (and the records it came from) as immutable.
-
-  Attributes:
-    examples: examples[i] is `tokenize_example(...)` of records[i], None when truncation left no
-      trained token (the pipeline drops it). A list, or a `store.StoredExamples` that reads each
-      example from a memory-mapped token store on access.
-    full_lengths: int64[N], the token count of records[i] before truncation.
-    max_length, train_on: the settings it was tokenized with.
-  """
-
-  examples: Sequence[dict | None]
-  full_lengths: np.ndarray
-  max_length: int
-  train_on: str
-
-  def __len__(self) -> int:
-    return len(self.examples)
-
-  @property
-  def lengths(self) -> np.ndarray:
-    """int64 token counts (after truncation) of the kept examples, in record order."""
-    if hasattr(self.examples, "kept_lengths"):  # a store: from its length arrays, nothing is read
-      return self.examples.kept_lengths()
-    return np.array([len(e["input_ids"]) for e in self.examples if e is not None], dtype=np.int64)
-
-  @property
-  def num_dropped(self) -> int:
-    """Records that truncation left with no trained token."""
-    return len(self) - len(self.lengths)
-
-  def take(self, indices: Sequence[int]) -> TokenizedRecords:
-    """The records at `indices`, in that order (a view when backed by a store)."""
-    indices = np.asarray(indices, dtype=np.int64)
-    if hasattr(self.examples, "take"):
-      examples = self.examples.take(indices)
-    else:
-      examples = [self.examples[i] for i in indices]
-    return TokenizedRecords(examples, self.full_lengths[indices], self.max_length, self.train_on)
-
-  def with_max_length(self, max_length: int) -> TokenizedRecords:
-    """The same records at a smaller `max_length`, without encoding again.
-
-    Exact: labels are computed on the whole text before truncation keeps a prefix, so cutting a
-    longer prefix again equals tokenizing at `max_length` (examples left with no trained token
-    become None). A larger `max_length` is possible only if no record was cut.
-    """
-    if max_length == self.max_length:
-      return self
-    if max_length > self.max_length and (self.full_lengths > self.max_length).any():
-      raise ValueError(f"cannot extend a tokenization cut at max_length {self.max_length} to {max_length}")
-    if hasattr(self.examples, "with_max_length"):
-      examples = self.examples.with_max_length(max_length)
-    else:
-      examples = [None if e is None else _cut(e, max_length) for e in self.examples]
-    return TokenizedRecords(examples, self.full_lengths, max_length, self.train_on)
-
-  def check_matches(self, *, num_records: int | None, max_length: int, train_on: str) -> None:
-    """Raises ValueError naming the first setting that differs from how these records were tokenized."""
-    if num_records is not None and num_records != len(self):
-      raise ValueError(f"tokenized holds {len(self)} records but {num_records} records were passed")
-    if max_length != self.max_length:
-      raise ValueError(f"tokenized was made with max_length={self.max_length}, but max_length={max_length} was "
-                       "passed (tokenized.with_max_length(max_length) re-cuts it without encoding)")
-    if train_on != self.train_on:
-      raise ValueError(f"tokenized was made with train_on={self.train_on!r}, but train_on={train_on!r} was passed")
-
-
-def _cut(example: dict, max_length: int) -> dict | None:
-  labels = example["labels"][:max_length]
-  return {"input_ids": example["input_ids"][:max_length], "labels": labels} if (labels != IGNORE_INDEX).any() else None
 
 
 def _contiguous_offsets(backend) -> bool:
@@ -401,7 +324,7 @@ def tokenize_file(tokenizer, path, *, max_length: int, train_on: str = "all_assi
 
 
 def _collect(batches: Iterable[EncodedBatch], max_length: int, train_on: str) -> TokenizedRecords:
-  examples: list[dict | None] = []
+  examples = ExampleList()
   full_lengths = []
   for batch in batches:
     examples += batch.examples()
