@@ -25,7 +25,8 @@ after a reply:
     `<|im_end|>` (ChatML), `<end_of_turn>` (Gemma), `<|end|>` (Phi-3, whose `<|endoftext|>` after
     the final turn closes the conversation and is not trained), the eos (OLMo 2).
 
-The rule is written once, in `locate_reply` and `ReplyRule`; both paths below apply it.
+The rule is written once (`locate_reply`, `ReplyRule`, `text_after_reply`, `final_marker`); both paths
+below apply it.
 
 Reasoning templates: the labels follow F. Qwen3 renders the turn after the last user query as
 `<think>\\n{reasoning}\\n</think>\\n\\n{reply}` (the reasoning from `reasoning_content` or from a
