@@ -2,10 +2,10 @@
 `TokenizedRecords`, the tokenization a caller keeps and passes to the pipeline's entry points.
 
 An `ExampleSource` is held in memory (`ExampleList`, what `tokenize_records` makes) or read from a
-memory-mapped token store on access (`store.StoredExamples`); `TokenizedRecords` and the pipeline
-ask it for lengths, views and re-cuts through the interface, whichever it is. Records that carry
-the tokenization a token store made of them (`store.StoredRecords`, `store.RecordList`) are
-`RecordsWithTokens`.
+memory-mapped token store on access (`store.StoredExamples`, whose `length_view` gives
+`LengthOnlyExamples`); `TokenizedRecords` and the pipeline ask it for lengths, views and re-cuts
+through the interface, whichever it is. Records that carry the tokenization a token store made of
+them (`store.StoredRecords`, `store.RecordList`) are `RecordsWithTokens`.
 """
 
 from __future__ import annotations
@@ -68,6 +68,34 @@ class ExampleList(list, ExampleSource):
 
   def with_max_length(self, max_length: int) -> ExampleList:
     return ExampleList(None if e is None else _cut(e, max_length) for e in self)
+
+
+class LengthOnlyExamples(ExampleSource):
+  """Item k: None when `lengths[k]` is 0 (dropped), else zero arrays of that length (a packer's
+  placement depends on the lengths only)."""
+
+  def __init__(self, lengths: np.ndarray):
+    self.lengths = lengths
+
+  def __len__(self) -> int:
+    return len(self.lengths)
+
+  def __getitem__(self, k: int) -> dict | None:
+    n = int(self.lengths[k])
+    return None if n == 0 else {"input_ids": np.zeros(n, np.int32), "labels": np.zeros(n, np.int32)}
+
+  def kept_lengths(self) -> np.ndarray:
+    return np.asarray(self.lengths, dtype=np.int64)[np.asarray(self.lengths) > 0]
+
+  def record_lengths(self) -> np.ndarray:
+    return np.asarray(self.lengths, dtype=np.int64)
+
+  def take(self, indices) -> LengthOnlyExamples:
+    return LengthOnlyExamples(np.asarray(self.lengths)[np.asarray(indices, np.int64)])
+
+  def with_max_length(self, max_length: int) -> ExampleSource:
+    raise TypeError("length stand-ins cannot be cut again (which examples a cut empties is not kept): "
+                    "cut the stored examples, then take their length_view()")
 
 
 def _cut(example: dict, max_length: int) -> dict | None:

@@ -46,7 +46,7 @@ import numpy as np
 
 from jaxsft import run_files
 from jaxsft.data.records import SkipReport
-from jaxsft.data.examples import ExampleSource, RecordsWithTokens, TokenizedRecords
+from jaxsft.data.examples import ExampleSource, LengthOnlyExamples, RecordsWithTokens, TokenizedRecords
 from jaxsft.data.template import PLAIN_CHAT_TEMPLATE, bos_prefix
 from jaxsft.data.tokenize import encode_rendered, fast_backend, iter_rendered
 from jaxsft.errors import JaxsftError
@@ -321,34 +321,6 @@ class StoredExamples(_View, ExampleSource):
   @property
   def tokenizer_digest(self) -> str | None:
     return self.store.manifest.get("key", {}).get("tokenizer")
-
-
-class LengthOnlyExamples(ExampleSource):
-  """Item k: None when `lengths[k]` is 0 (dropped), else zero arrays of that length (a packer's
-  placement depends on the lengths only)."""
-
-  def __init__(self, lengths: np.ndarray):
-    self.lengths = lengths
-
-  def __len__(self) -> int:
-    return len(self.lengths)
-
-  def __getitem__(self, k: int) -> dict | None:
-    n = int(self.lengths[k])
-    return None if n == 0 else {"input_ids": np.zeros(n, np.int32), "labels": np.zeros(n, np.int32)}
-
-  def kept_lengths(self) -> np.ndarray:
-    return np.asarray(self.lengths, dtype=np.int64)[np.asarray(self.lengths) > 0]
-
-  def record_lengths(self) -> np.ndarray:
-    return np.asarray(self.lengths, dtype=np.int64)
-
-  def take(self, indices) -> LengthOnlyExamples:
-    return LengthOnlyExamples(np.asarray(self.lengths)[np.asarray(indices, np.int64)])
-
-  def with_max_length(self, max_length: int) -> ExampleSource:
-    raise TypeError("length stand-ins cannot be cut again (which examples a cut empties is not kept): "
-                    "cut the stored examples, then take their length_view()")
 
 
 class StoredRecords(_View, Sequence, RecordsWithTokens):
