@@ -93,7 +93,7 @@ def generate(path: pathlib.Path, n: int, seed: int = 0) -> dict:
 def phase_build(args) -> dict:
   _pin(args.cores)
   from jaxsft.data import iter_records, open_or_build
-  from jaxsft.data.tokenize import SpanRenderer
+  from jaxsft.data.template import SpanRenderer
   from jaxsft.models.hub import load_tokenizer
 
   tokenizer = load_tokenizer(MODEL)

@@ -71,7 +71,7 @@ def store_vs_encode_batch(name, tokenizer, *, examples: int, reps: int, max_leng
   import tempfile
 
   from jaxsft.data import load_records, open_or_build, tokenize_records
-  from jaxsft.data.tokenize import SpanRenderer
+  from jaxsft.data.template import SpanRenderer
 
   records = load_records(SHARED / name)
   records = (records * -(-examples // len(records)))[:examples]

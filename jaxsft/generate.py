@@ -161,9 +161,9 @@ def context_window(model) -> int:
 
 def encode_prompt(tokenizer, messages: Sequence[dict]) -> list[int]:
   """Token ids of a conversation rendered with the chat template, generation prompt added."""
-  from jaxsft.data.tokenize import _render  # the same template path the training data uses
+  from jaxsft.data.template import render_chat  # the same template path the training data uses
 
-  return tokenizer(_render(tokenizer, list(messages), generation_prompt=True), add_special_tokens=False)["input_ids"]
+  return tokenizer(render_chat(tokenizer, list(messages), generation_prompt=True), add_special_tokens=False)["input_ids"]
 
 
 def check_prompt_fits(n_prompt: int, model, where: str = "prompt") -> None:

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from jaxsft import models
-from jaxsft.data.tokenize import _render
+from jaxsft.data.template import render_chat
 from jaxsft.generate import generate, stop_token_ids
 from tiny_model import TINY
 
@@ -17,7 +17,7 @@ _full_forward = nnx.jit(lambda model, ids: model(ids))
 
 
 def naive_greedy(model, tokenizer, messages, max_new_tokens):
-  ids = tokenizer(_render(tokenizer, messages, generation_prompt=True), add_special_tokens=False)["input_ids"]
+  ids = tokenizer(render_chat(tokenizer, messages, generation_prompt=True), add_special_tokens=False)["input_ids"]
   out = []
   for _ in range(max_new_tokens):
     token = int(jnp.argmax(_full_forward(model, jnp.asarray([ids + out], jnp.int32))[0, -1]))

@@ -165,9 +165,9 @@ def test_a_line_that_is_not_utf8_is_named_and_skippable(tmp_path):
 
 
 def test_a_json_array_that_is_not_utf8_names_line_and_column(tmp_path, monkeypatch):
-  from jaxsft.data import records as records_lib
+  from jaxsft.data import json_array
 
-  monkeypatch.setattr(records_lib, "_CHUNK", 64)  # the bad byte lies several reads into the file
+  monkeypatch.setattr(json_array, "CHUNK", 64)  # the bad byte lies several reads into the file
   rows = [{"instruction": f"é{i}", "output": "b"} for i in range(20)]
   text = json.dumps(rows, ensure_ascii=False, indent=1).encode()
   at = text.index("é19".encode())

@@ -156,7 +156,7 @@ def test_bucketed_packing_keeps_the_unpacked_unpadded_loss_and_gradients(tokeniz
   test); more fill rows and wider rows change nothing either."""
   from jaxsft import data
   from jaxsft.data import synthetic
-  from jaxsft.data.packing import pack_rows
+  from jaxsft.data.rows import pack_rows
 
   with jax.default_matmul_precision("highest"):
     model = models.init_random(TINY, seed=0)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxsft.data import DataError, load_records, open_or_build, tokenize_example
-from jaxsft.data import records as records_lib
+from jaxsft.data import json_array
 from jaxsft.data import store as store_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -205,12 +205,12 @@ def _jsonl(path, rows):
 
 
 def test_json_array_is_streamed_exactly(shared_data, tmp_path, monkeypatch):
-  monkeypatch.setattr(records_lib, "_CHUNK", 97)  # elements straddle every buffer boundary
+  monkeypatch.setattr(json_array, "CHUNK", 97)  # elements straddle every buffer boundary
   for name in ("alpaca_en_demo.json", "chat_multiturn_demo.json"):
     path = shared_data / name
     raw = json.loads(path.read_text())
     with open(path) as f:
-      assert [r for _, r in records_lib._read_json_array(f, str(path))] == raw
+      assert [r for _, r in json_array.read_json_array(f)] == raw
   gz = tmp_path / "chat.json.gz"
   with gzip.open(gz, "wt") as f:
     f.write((shared_data / "chat_multiturn_demo.json").read_text())

@@ -1,8 +1,10 @@
 """Instruction data: loading, chat-template masking, collation, bucket choice, Grain batches.
 
-records.py (files -> chat records), tokenize.py (records -> token ids and labels; `TokenizedRecords`),
-collate.py (padding, bucket choice), bucketing.py (length-grouped batching, bucketed packing),
-packing.py (packed modes), pipeline.py (the Grain chain and its entry points), cost.py (the
+records.py (files -> chat records; json_array.py streams JSON arrays), template.py (chat templates:
+rendering, the trained reply spans), tokenize.py (records -> token ids and labels), examples.py
+(`TokenizedRecords`, in memory or from a store), collate.py (padding, bucket choice), bucketing.py
+(length-grouped batching, bucketed packing), packing.py (packed modes; rows.py packs rows first-fit),
+pipeline.py (the Grain chain and its entry points; pipeline_stats.py its counters), cost.py (the
 collation cost model), choose.py (plans priced by it: packing widths, `batching: auto`), store.py
 (a file tokenized once into a memory-mapped token store), stats.py (`python -m jaxsft.data stats`).
 """
@@ -10,12 +12,14 @@ collation cost model), choose.py (plans priced by it: packing widths, `batching:
 from jaxsft.data.bucketing import BatchPlan, BucketBatchIterDataset
 from jaxsft.data.collate import (PaddingCost, bucket_index, choose_buckets, collate, padding_cost, round_up,
                                  target_length)
-from jaxsft.data.pipeline import BATCHING, PipelineStats, batch_shapes, count_batches, make_batches
+from jaxsft.data.examples import TokenizedRecords
+from jaxsft.data.pipeline import BATCHING, batch_shapes, count_batches, make_batches
+from jaxsft.data.pipeline_stats import PipelineStats
 from jaxsft.data.records import (FORMATS, ON_ERROR, DataError, Record, SkipReport, iter_records, load_records,
                                  normalize_record)
 from jaxsft.data.store import StoreError, TokenStore, open_or_build
-from jaxsft.data.tokenize import (PLAIN_CHAT_TEMPLATE, TRAIN_ON, SpanRenderer, TokenizedRecords, encode_batches,
-                                  render_with_spans, tokenize_example, tokenize_file, tokenize_records)
+from jaxsft.data.template import PLAIN_CHAT_TEMPLATE, TRAIN_ON, SpanRenderer, render_with_spans
+from jaxsft.data.tokenize import encode_batches, tokenize_example, tokenize_file, tokenize_records
 from jaxsft.labels import IGNORE_INDEX  # re-exported: jaxsft.data.IGNORE_INDEX
 
 __all__ = [

@@ -13,7 +13,7 @@ import logging
 import sys
 
 from jaxsft.data.records import ON_ERROR
-from jaxsft.data.tokenize import TRAIN_ON
+from jaxsft.data.template import TRAIN_ON
 
 
 def _data_arguments(parser: argparse.ArgumentParser, *, max_length: int, on_error: str) -> None:

@@ -1,7 +1,7 @@
 """Length-grouped batching as a Grain transformation: fixed-shape padded batches per bucket.
 
 With `BatchPlan.packed`, each bucket is a width whose batches are B rows packed first-fit
-(`packing.pack_rows`): a queue's batch is complete when the next example fits in none of its rows.
+(`rows.pack_rows`): a queue's batch is complete when the next example fits in none of its rows.
 
 `BucketBatchIterDataset` reads the tokenized stream (`pipeline.make_batches`), puts each example
 in the queue of its (epoch, bucket) and emits a batch when a queue reaches its bucket's batch
@@ -26,16 +26,13 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
-from typing import TYPE_CHECKING
 
 import grain
 import numpy as np
 
 from jaxsft.data.collate import bucket_index, collate, round_up
-from jaxsft.data.packing import FirstFitRows, pack_rows
-
-if TYPE_CHECKING:  # pipeline imports this module; the stats are only passed through
-  from jaxsft.data.pipeline import PipelineStats
+from jaxsft.data.pipeline_stats import PipelineStats
+from jaxsft.data.rows import FirstFitRows, pack_rows
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxsft.data.collate import bucket_index, choose_buckets, round_up
 from jaxsft.data.cost import PlanSeconds, StepCost, plan_seconds
-from jaxsft.data.packing import FirstFitRows
+from jaxsft.data.rows import FirstFitRows
 
 MAX_PACKING_WIDTHS = 4
 

@@ -47,60 +47,12 @@ from jaxsft.data.bucketing import BatchPlan, BucketBatchIterDataset
 from jaxsft.data.choose import choose_packing_widths, packed_batches_per_shape
 from jaxsft.data.collate import bucket_index, choose_buckets
 from jaxsft.data.cost import DEFAULT_COST
+from jaxsft.data.examples import TokenizedRecords
 from jaxsft.data.packing import packed_batches
-from jaxsft.data.tokenize import TokenizedRecords, _encode_with_length, _record_error, tokenize_records
-from jaxsft.labels import IGNORE_INDEX
+from jaxsft.data.pipeline_stats import PipelineStats
+from jaxsft.data.tokenize import encode_with_length, record_error, tokenize_records
 
 BATCHING = ("static", "dynamic", "bucketed", "packed", "bucketed_packed")
-
-
-@dataclasses.dataclass
-class PipelineStats:
-  """Counters the pipeline updates in place as batches are emitted (main process only).
-
-  `examples` tokenized examples seen (all epochs), `truncated` longer than max_length (cut),
-  `dropped` left with no trained token after truncation (not batched), `batches`, `rows`
-  (including `fill_rows`, all-padding rows), `real_tokens` (attention_mask 1), `padded_tokens`
-  (B*T summed), `label_tokens` (labels != -100). Batches restored by `set_state` replay are not
-  counted again.
-  """
-
-  examples: int = 0
-  truncated: int = 0
-  dropped: int = 0
-  batches: int = 0
-  rows: int = 0
-  fill_rows: int = 0
-  real_tokens: int = 0
-  padded_tokens: int = 0
-  label_tokens: int = 0
-  dropped_per_epoch: dict = dataclasses.field(default_factory=dict)
-
-  @property
-  def waste_frac(self) -> float:
-    return 1 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
-
-  def count_example(self, element: dict, max_length: int) -> None:
-    """Counts one element of the tokenized stream: an example, or the marker of a dropped one."""
-    self.examples += 1
-    self.truncated += element["full_length"] > max_length
-    if "input_ids" not in element:
-      epoch = int(element["epoch"])
-      self.dropped += 1
-      self.dropped_per_epoch[epoch] = self.dropped_per_epoch.get(epoch, 0) + 1
-
-  def count_batch(self, batch: dict, num_real_rows: int) -> None:
-    self.batches += 1
-    self.rows += batch["input_ids"].shape[0]
-    self.fill_rows += batch["input_ids"].shape[0] - num_real_rows
-    self.real_tokens += int(batch["attention_mask"].sum())
-    self.padded_tokens += batch["input_ids"].size
-    self.label_tokens += int((batch["labels"] != IGNORE_INDEX).sum())
-
-  def summary(self) -> str:
-    return (f"{self.examples} examples ({self.truncated} truncated, {self.dropped} dropped: no trained "
-            f"token left), {self.batches} batches, {self.fill_rows} fill rows, "
-            f"{self.padded_tokens} padded tokens ({100 * self.waste_frac:.1f}% padding)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,10 +78,10 @@ class _TokenizeStep:
     else:
       record = self.records[record_index]
       try:
-        example, full_length = _encode_with_length(self.tokenizer, record, max_length=self.max_length,
-                                                   train_on=self.train_on)
+        example, full_length = encode_with_length(self.tokenizer, record, max_length=self.max_length,
+                                                  train_on=self.train_on)
       except ValueError as e:  # a DataError naming the record's file and line where it knows them
-        raise _record_error(e, record, record_index) from None
+        raise record_error(e, record, record_index) from None
     out = dict(example) if example is not None else {}
     out.update(epoch=index // self.num_records, full_length=full_length)
     return out
@@ -360,13 +312,6 @@ def batch_shapes(records: Sequence[dict] | None = None, tokenizer=None, *, lengt
   return sorted(zip(plan.batch_sizes, plan.bucket_lengths))
 
 
-def _record_lengths(tokenized: TokenizedRecords) -> np.ndarray:
-  """Per record, the kept example's length (0 when dropped), read from a store's length arrays."""
-  if hasattr(tokenized.examples, "length_view"):
-    return np.asarray(tokenized.examples.length_view().lengths, dtype=np.int64)
-  return np.array([0 if e is None else len(e["input_ids"]) for e in tokenized.examples], dtype=np.int64)
-
-
 def count_batches(tokenized: TokenizedRecords, *, max_length: int, batching: str = "bucketed",
                   bucket_lengths: Sequence[int] | None = None, num_buckets: int = 8, batch_size: int = 8,
                   tokens_per_batch: int | None = None, pad_to_multiple_of: int = 8, batch_multiple_of: int = 1,
@@ -386,15 +331,14 @@ def count_batches(tokenized: TokenizedRecords, *, max_length: int, batching: str
   lengths = tokenized.lengths
   plan = options.plan(lengths=lengths, epoch_size=len(tokenized), pad_token_id=0)
   if batching == "packed":
-    if hasattr(tokenized.examples, "length_view"):  # a store: pack length stand-ins, read no example
-      tokenized = TokenizedRecords(tokenized.examples.length_view(), tokenized.full_lengths, max_length, train_on)
+    tokenized = tokenized.length_view()  # a store's: length stand-ins, no example is read
     step = _TokenizeStep(None, None, max_length=max_length, train_on=train_on, tokenized=tokenized)
     stream = _example_stream(step, seed=seed, shuffle=shuffle, num_epochs=1, worker_count=0, unchunk=False)
     return sum(1 for _ in packed_batches(stream, plan, seed=seed, stats=None, rows_to_batch=len))
   if batching == "bucketed_packed":  # first-fit per width in the epoch's order, as the batcher packs
     epoch = grain.MapDataset.range(len(tokenized))
     order = np.asarray(list((epoch.shuffle(seed=seed) if shuffle else epoch).repeat(1)), dtype=np.int64)
-    in_order = _record_lengths(tokenized)[order]
+    in_order = tokenized.examples.record_lengths()[order]  # a store's: from its length arrays
     return sum(packed_batches_per_shape(in_order[in_order > 0], plan.bucket_lengths,
                                         dict(zip(plan.bucket_lengths, plan.batch_sizes)).__getitem__).values())
   if plan.bucket_lengths is None:  # dynamic: one queue

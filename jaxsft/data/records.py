@@ -27,7 +27,6 @@ Records are `Record`s: dicts that remember that file and position, so that a pro
 
 from __future__ import annotations
 
-import codecs
 import collections
 import dataclasses
 import gzip
@@ -38,6 +37,7 @@ import pathlib
 import sys
 from typing import Any, Callable, Iterator
 
+from jaxsft.data.json_array import BOM, JsonTextError, Utf8Reader, read_json_array, utf8_error
 from jaxsft.errors import JaxsftError
 
 logger = logging.getLogger("jaxsft.data")
@@ -51,7 +51,6 @@ _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assista
 _SIGNATURES = (("messages", ("messages",)), ("sharegpt", ("conversations",)),
                ("alpaca", ("instruction", "output")), ("prompt_completion", ("prompt", "completion")))
 _FORMAT_NAMES = {"alpaca": "an Alpaca", "prompt_completion": "a prompt/completion"}
-_BOM = b"\xef\xbb\xbf"
 
 
 class DataError(JaxsftError, ValueError):
@@ -194,7 +193,6 @@ def _open_binary(path: str):
 
 
 _ARROW_SUFFIXES = (".parquet", ".arrow")
-_CHUNK = 1 << 20
 
 
 def _read_raw(path: str) -> Iterator[tuple[str, Any]]:
@@ -212,9 +210,11 @@ def _read_raw(path: str) -> Iterator[tuple[str, Any]]:
         raise DataError("empty file", path=path)
     with _open_binary(path) as f:
       if first == b"[":
-        yield from _read_json_array(_Utf8Reader(f, path), path)
+        yield from read_json_array(Utf8Reader(f))
       else:
         yield from _read_jsonl(f)
+  except JsonTextError as e:
+    raise DataError(e.reason, path=path, where=f"line {e.line}") from None
   except (OSError, EOFError, gzip.BadGzipFile) as e:
     raise DataError(f"cannot read: {e}", path=path) from None
 
@@ -223,8 +223,8 @@ def _first_byte(f) -> bytes | None:
   """The first byte after a byte-order mark and whitespace; None for a blank file."""
   start = True
   while chunk := f.read(4096):
-    if start and chunk.startswith(_BOM):
-      chunk = chunk[len(_BOM):]
+    if start and chunk.startswith(BOM):
+      chunk = chunk[len(BOM):]
     start = False
     stripped = chunk.lstrip()
     if stripped:
@@ -232,20 +232,16 @@ def _first_byte(f) -> bytes | None:
   return None
 
 
-def _utf8_error(byte: int, column: int) -> str:
-  return f"not valid UTF-8 (byte 0x{byte:02x} at column {column})"
-
-
 def _read_jsonl(f) -> Iterator[tuple[str, Any]]:
   """`(where, raw)` per non-blank line of a binary file; `raw` is a `_BadLine` for a line that is
   not UTF-8 or not JSON (each line is decoded alone, so a bad one does not stop the file)."""
   for lineno, data in enumerate(f, start=1):
-    if lineno == 1 and data.startswith(_BOM):
-      data = data[len(_BOM):]
+    if lineno == 1 and data.startswith(BOM):
+      data = data[len(BOM):]
     try:
       line = data.decode("utf-8")
     except UnicodeDecodeError as e:
-      yield f"line {lineno}", _BadLine(_utf8_error(data[e.start], len(data[:e.start].decode("utf-8")) + 1))
+      yield f"line {lineno}", _BadLine(utf8_error(data[e.start], len(data[:e.start].decode("utf-8")) + 1))
       continue
     if not line.strip():
       continue
@@ -256,115 +252,6 @@ def _read_jsonl(f) -> Iterator[tuple[str, Any]]:
     except RecursionError:
       raw = _BadLine(f"JSON nested deeper than Python's recursion limit ({sys.getrecursionlimit()})")
     yield f"line {lineno}", raw
-
-
-class _Utf8Reader:
-  """`read(n)` of a binary file as text, decoded as it goes: a byte that is not UTF-8 raises
-  `DataError` naming its line and column (a text-mode file would name a chunk offset)."""
-
-  def __init__(self, f, path: str):
-    self.f, self.path = f, path
-    self.decoder = codecs.getincrementaldecoder("utf-8")()
-    self.line, self.column, self.start = 1, 0, True  # where the next character goes
-
-  def read(self, n: int) -> str:
-    data = self.f.read(n)
-    if self.start and data.startswith(_BOM):
-      data = data[len(_BOM):]
-    self.start = False
-    pending = self.decoder.getstate()[0]
-    try:
-      text = self.decoder.decode(data, final=not data)
-    except UnicodeDecodeError as e:  # e.start counts from the bytes the decoder held back
-      data = pending + data
-      self._advance(data[:e.start].decode("utf-8"))
-      raise DataError(_utf8_error(data[e.start], self.column + 1), path=self.path, where=f"line {self.line}") from None
-    self._advance(text)
-    return text
-
-  def _advance(self, text: str) -> None:
-    newlines = text.count("\n")
-    self.line += newlines
-    self.column = len(text) - text.rfind("\n") - 1 if newlines else self.column + len(text)
-
-
-def _read_json_array(f, path: str) -> Iterator[tuple[str, Any]]:
-  """The elements of a JSON array, decoded one at a time from a buffer of about `_CHUNK` characters
-  (more while one element is longer), so memory is bounded by the largest element."""
-  decoder = json.JSONDecoder()
-  # lines_before: newlines in the text dropped before buf; column_before: characters of buf's first
-  # line that were dropped.
-  buf, pos, lines_before, column_before, eof = "", 0, 0, 0, False
-
-  def fill(min_more: int = 1) -> bool:
-    nonlocal buf, pos, lines_before, column_before, eof
-    if pos > _CHUNK:  # drop what was consumed
-      newline = buf.rfind("\n", 0, pos)
-      lines_before += buf.count("\n", 0, pos)
-      column_before = pos - newline - 1 if newline >= 0 else column_before + pos
-      buf, pos = buf[pos:], 0
-    added = 0
-    while not eof and added < min_more:
-      chunk = f.read(max(_CHUNK, min_more))
-      eof = not chunk
-      buf += chunk
-      added += len(chunk)
-    return added > 0
-
-  def skip_ws() -> str | None:
-    nonlocal pos
-    while True:
-      while pos < len(buf) and buf[pos] in " \t\r\n":
-        pos += 1
-      if pos < len(buf):
-        return buf[pos]
-      if not fill():
-        return None
-
-  def fail(message: str, at: int):
-    line = lines_before + buf.count("\n", 0, at) + 1
-    newline = buf.rfind("\n", 0, at)
-    column = at - newline if newline >= 0 else column_before + at + 1
-    raise DataError(f"invalid JSON: {message} (column {column})", path=path, where=f"line {line}")
-
-  fill()
-  skip_ws()
-  pos += 1  # the "["
-  index = 0
-  if skip_ws() == "]":
-    pos += 1
-  else:
-    while True:
-      if skip_ws() is None:
-        fail("Expecting value", pos)
-      need = 0
-      while True:
-        try:
-          raw, end = decoder.raw_decode(buf, pos)
-          break
-        except RecursionError:
-          fail(f"nested deeper than Python's recursion limit ({sys.getrecursionlimit()})", pos)
-        except json.JSONDecodeError as e:
-          # A cut-off element fails near the buffer's end (a literal or number cut short) or in an
-          # unterminated string; anything else is bad JSON whatever follows.
-          incomplete = e.pos >= len(buf) - 64 or e.msg.startswith("Unterminated string")
-          if eof or not incomplete:
-            fail(e.msg, e.pos)
-          need = max(2 * need, _CHUNK)
-          fill(need)
-      pos = end
-      yield f"index {index}", raw
-      index += 1
-      sep = skip_ws()
-      if sep == ",":
-        pos += 1
-        continue
-      if sep == "]":
-        pos += 1
-        break
-      fail("Expecting ',' delimiter", pos)
-  if skip_ws() is not None:
-    fail("Extra data", pos)
 
 
 def _arrow_files(path: str) -> list[str]:

@@ -10,8 +10,10 @@ import numpy as np
 import collections
 
 from jaxsft.data.cost import PlanSeconds, StepCost, plan_seconds
-from jaxsft.data.pipeline import BATCHING, PipelineStats, batch_shapes, make_batches
-from jaxsft.data.tokenize import TokenizedRecords, tokenize_records
+from jaxsft.data.pipeline import BATCHING, batch_shapes, make_batches
+from jaxsft.data.pipeline_stats import PipelineStats
+from jaxsft.data.examples import TokenizedRecords
+from jaxsft.data.tokenize import tokenize_records
 
 
 def compare_batching(records: Sequence[dict], tokenizer, *, max_length: int = 1024, num_buckets: int = 8,

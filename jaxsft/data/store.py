@@ -46,8 +46,9 @@ import numpy as np
 
 from jaxsft import run_files
 from jaxsft.data.records import SkipReport
-from jaxsft.data.tokenize import (PLAIN_CHAT_TEMPLATE, TokenizedRecords, _backend, _bos_prefix, encode_rendered,
-                                  iter_rendered)
+from jaxsft.data.examples import ExampleSource, LengthOnlyExamples, RecordsWithTokens, TokenizedRecords
+from jaxsft.data.template import PLAIN_CHAT_TEMPLATE, bos_prefix
+from jaxsft.data.tokenize import encode_rendered, fast_backend, iter_rendered
 from jaxsft.errors import JaxsftError
 from jaxsft.labels import IGNORE_INDEX
 from jaxsft.models.hub import jaxsft_cache
@@ -88,8 +89,8 @@ def tokenizer_digest(tokenizer) -> str:
   """SHA-256 of what the tokenizer contributes to the tokens: its serialized Rust tokenizer
   (vocabulary, merges, pre-tokenizer, added tokens), chat template, special tokens and BOS rule."""
   digest = hashlib.sha256()
-  for part in (_backend(tokenizer).to_str(), getattr(tokenizer, "chat_template", None) or PLAIN_CHAT_TEMPLATE,
-               json.dumps(dict(tokenizer.special_tokens_map), sort_keys=True, default=str), _bos_prefix(tokenizer)):
+  for part in (fast_backend(tokenizer).to_str(), getattr(tokenizer, "chat_template", None) or PLAIN_CHAT_TEMPLATE,
+               json.dumps(dict(tokenizer.special_tokens_map), sort_keys=True, default=str), bos_prefix(tokenizer)):
     digest.update(str(part).encode() + b"\0")
   return digest.hexdigest()  # not cached on the tokenizer: a copy with another template must differ
 
@@ -134,7 +135,7 @@ def build_store(folder: str | os.PathLike, path, tokenizer, *, max_length: int, 
   cannot label is one of them, rendered as it is read, so `on_error="skip"` skips and counts it."""
   folder = pathlib.Path(folder)
   t0 = time.perf_counter()
-  vocab = _backend(tokenizer).get_vocab_size(with_added_tokens=True)
+  vocab = fast_backend(tokenizer).get_vocab_size(with_added_tokens=True)
   token_dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.int32)
   report = SkipReport()
   tokens, trained, texts = (_Writer(folder / name) for name in _BLOBS)
@@ -283,7 +284,7 @@ class _View:
     return (self[k] for k in range(len(self)))
 
 
-class StoredExamples(_View, Sequence):
+class StoredExamples(_View, ExampleSource):
   """`TokenizedRecords.examples` read from a store: item k is a dict (or None when dropped) made
   from the memory-mapped arrays on access."""
 
@@ -301,6 +302,9 @@ class StoredExamples(_View, Sequence):
     kept = (lengths > 0) & (first < self.max_length)
     return np.minimum(lengths[kept], self.max_length).astype(np.int64)
 
+  def record_lengths(self) -> np.ndarray:
+    return np.asarray(self.length_view().lengths, dtype=np.int64)
+
   def take(self, indices) -> StoredExamples:
     return StoredExamples(self.store, self._take(indices), self.max_length)
 
@@ -314,23 +318,12 @@ class StoredExamples(_View, Sequence):
   def with_max_length(self, max_length: int) -> StoredExamples:
     return StoredExamples(self.store, self.indices, max_length)
 
-
-class LengthOnlyExamples(Sequence):
-  """Item k: None when `lengths[k]` is 0 (dropped), else zero arrays of that length (a packer's
-  placement depends on the lengths only)."""
-
-  def __init__(self, lengths: np.ndarray):
-    self.lengths = lengths
-
-  def __len__(self) -> int:
-    return len(self.lengths)
-
-  def __getitem__(self, k: int) -> dict | None:
-    n = int(self.lengths[k])
-    return None if n == 0 else {"input_ids": np.zeros(n, np.int32), "labels": np.zeros(n, np.int32)}
+  @property
+  def tokenizer_digest(self) -> str | None:
+    return self.store.manifest.get("key", {}).get("tokenizer")
 
 
-class StoredRecords(_View, Sequence):
+class StoredRecords(_View, Sequence, RecordsWithTokens):
   """Normalized records read from a store on access; `.tokenized` is their `TokenizedRecords`."""
 
   def __getitem__(self, k: int) -> dict:
@@ -440,23 +433,29 @@ def describe(result: StoreResult) -> dict[str, Any]:
           "tokens": m["num_tokens"], "bytes": sum(f["bytes"] for f in m["files"].values())}
 
 
-class RecordList(list):
+class RecordList(list, RecordsWithTokens):
   """A plain list of records (JSON-serializable, cheap to index) that keeps their stored
   tokenization as `.tokenized`."""
 
   def __init__(self, records, tokenized: TokenizedRecords):
     super().__init__(records)
-    self.tokenized = tokenized
+    self._tokenized = tokenized
+
+  @property
+  def tokenized(self) -> TokenizedRecords:
+    return self._tokenized
 
 
 def stored_tokens(records, tokenizer, *, max_length: int, train_on: str) -> TokenizedRecords | None:
   """The tokenization `records` carry from a token store, when it is the one `tokenizer`,
   `max_length` and `train_on` would make; None otherwise (then the caller tokenizes)."""
-  tokenized = getattr(records, "tokenized", None)
-  if tokenized is None or tokenized.train_on != train_on or tokenized.max_length != max_length:
+  if not isinstance(records, RecordsWithTokens):
     return None
-  store = getattr(tokenized.examples, "store", None)
-  if store is None or store.manifest.get("key", {}).get("tokenizer") != tokenizer_digest(tokenizer):
+  tokenized = records.tokenized
+  if tokenized.train_on != train_on or tokenized.max_length != max_length:
+    return None
+  made_with = tokenized.examples.tokenizer_digest
+  if made_with is None or made_with != tokenizer_digest(tokenizer):
     logger.warning("the token store was made with another tokenizer than the model's: tokenizing again")
     return None
   return tokenized

@@ -16,7 +16,7 @@ from conftest import FAMILIES, tiny_hf_config
 from flax import nnx
 
 from jaxsft import export, generate, lora, loss, models
-from jaxsft.data.tokenize import _render
+from jaxsft.data.template import render_chat
 from parity_utils import (batch_of, grad_rel_err, jax_logits, jax_sums, jax_sums_and_lora_grads, model_inputs,
                           pack, packed_example_losses, peft_copy, peft_named_grads, randomize_lora_b, set_peft_weights,
                           torch_logits, torch_lora_grads, torch_nll_sum64, torch_row_losses)
@@ -179,7 +179,7 @@ def test_greedy_generation_matches_transformers(family, tokenizer):
   want = []
   stops = generate.stop_token_ids(tokenizer, jax_model)
   for messages in prompts:
-    ids = tokenizer(_render(tokenizer, messages, generation_prompt=True), add_special_tokens=False)["input_ids"]
+    ids = tokenizer(render_chat(tokenizer, messages, generation_prompt=True), add_special_tokens=False)["input_ids"]
     with torch.no_grad():
       out = torch_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                  max_new_tokens=16, do_sample=False, eos_token_id=stops, pad_token_id=stops[0])
@@ -200,7 +200,7 @@ def test_merged_hf_export_loads_in_transformers_with_peft_logits(family, tokeniz
   tuned = randomize_lora_b(lora.apply_lora(nnx.clone(jax_model), r=8, alpha=16, target_modules="all-linear",
                                            seed=1), scale=0.02)
   lora.save_adapter(tuned, tmp_path / "adapter", base_model_name_or_path=str(base))
-  text = _render(tokenizer, [{"role": "user", "content": "Which word comes after 'river'? stone, river, cloud"}],
+  text = render_chat(tokenizer, [{"role": "user", "content": "Which word comes after 'river'? stone, river, cloud"}],
                  generation_prompt=True)
   ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
   with torch.no_grad():
