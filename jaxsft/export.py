@@ -439,13 +439,13 @@ def main(argv=None) -> int:
 
 
 def _main(args) -> int:
-  from jaxsft.chat import resolve_run
+  from jaxsft.run_files import resolve_run
 
   quantize, block = "none", 64
   if args.run_dir:
     source = resolve_run(args.run_dir)
-    model_name, adapter = source["model"], source["adapter"]
-    quantize, block = source.get("quantize", "none"), source.get("quant_block_size", 64)
+    model_name, adapter = source.model, source.adapter
+    quantize, block = source.quantize, source.quant_block_size
   else:
     model_name, adapter = args.model, args.adapter
   quantize = args.quantize or quantize

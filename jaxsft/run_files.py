@@ -4,7 +4,9 @@
   file or a folder (temp beside the target, fsync, rename). A temp's name carries its writer
   (`.<name>.<host>-<pid>.<random>.tmp`), so `remove_leftovers` can delete those of dead writers.
 - `RunLock`: one writer per run directory.
-- `RunFiles`: the layout of a run directory, the `metrics.jsonl` writer and the adapter save.
+- `RunFiles`: the layout of a run directory (where its config, metrics, checkpoints and tuned
+  weights are), the `metrics.jsonl` writer and the save of the adapter or full model.
+- `resolve_run`: what loads a finished run's tuned model (chat, export).
 - `read_metrics`: the one `metrics.jsonl` reader (the doctor, the plot and the tests use it).
 
 metrics.jsonl holds one JSON object per line:
@@ -303,21 +305,35 @@ ORBAX_TEMP = ".orbax-checkpoint-tmp"  # orbax's name for a step folder before it
 
 
 class RunFiles:
-  """A run directory: metrics.jsonl (appended, one line per record), JSON files, the adapter.
+  """A run directory: metrics.jsonl (appended, one line per record), JSON files, the tuned weights.
 
-  With several processes only process 0 writes (`writer`); orbax checkpoints are every process's.
+  The tuned weights are `adapter/` (a PEFT LoRA adapter) or, for a full fine-tuning run,
+  `model/` (the whole model as a Hugging Face folder): `tuned` names the folder of a mode and
+  `holds_full_model` tells a reader which one a run holds. With several processes only process 0
+  writes (`writer`); orbax checkpoints are every process's.
   """
 
   def __init__(self, output_dir: str | os.PathLike, writer: bool = True):
     self.dir = pathlib.Path(output_dir)
     self.writer = writer
+    self.config = self.dir / "config.json"
+    self.heldout = self.dir / "heldout.json"
     self.metrics = self.dir / "metrics.jsonl"
     self.checkpoints = self.dir / "checkpoints"
     self.adapter = self.dir / "adapter"
+    self.full_model = self.dir / "model"
     self.sinks: list[Callable[[dict], None]] = []  # also fed every logged record (`jaxsft.tracking`)
 
   def holds_a_run(self) -> bool:
     return self.checkpoints.exists() or self.metrics.exists()
+
+  def tuned(self, full: bool) -> pathlib.Path:
+    """The folder of the tuned weights: `model/` for full fine-tuning, else `adapter/`."""
+    return self.full_model if full else self.adapter
+
+  def holds_full_model(self) -> bool:
+    """Whether the run left a full fine-tuned model (`model/config.json`) rather than an adapter."""
+    return (self.full_model / "config.json").is_file()
 
   def lock(self) -> RunLock | None:
     """Takes the run directory's lock (the writer only) and removes what writers that died
@@ -377,6 +393,56 @@ class RunFiles:
     from jaxsft import lora
 
     replace_directory(self.adapter, lambda tmp: lora.save_adapter(model, tmp, base_model_name_or_path=base_model_name_or_path))
+
+  def save_full_model(self, fill: Callable[[pathlib.Path], None]) -> None:
+    """The full fine-tuned model folder, filled by `fill(tmp)` and replaced whole."""
+    if self.writer:
+      replace_directory(self.full_model, fill)
+
+  def remove_tuned(self) -> None:
+    """Removes the adapter and the full model folder (the writer only)."""
+    if self.writer:
+      for folder in (self.adapter, self.full_model):
+        remove_directory(folder)
+
+
+class RunDirError(JaxsftError):
+  """A folder that is not a finished jaxsft run (no config.json, no adapter or model yet)."""
+
+
+@dataclasses.dataclass
+class RunSource:
+  """What loads a finished run's tuned model: the base `model` with its `adapter` folder (LoRA),
+  or the run's `model/` folder and no adapter (full fine-tuning); the run's dtype and
+  quantization of the base."""
+
+  model: str
+  adapter: str | None
+  dtype: str
+  quantize: str = "none"
+  quant_block_size: int = 64
+
+
+def resolve_run(run_dir: str | os.PathLike) -> RunSource:
+  """The `RunSource` of a finished run; `RunDirError` when `run_dir` is not one."""
+  files = RunFiles(run_dir, writer=False)
+  if not files.config.is_file():
+    raise RunDirError(f"{files.config} is missing: {files.dir} is not a jaxsft run directory")
+  try:
+    cfg = json.loads(files.config.read_text())
+  except json.JSONDecodeError as e:
+    raise RunDirError(f"{files.config}: line {e.lineno}: invalid JSON ({e.msg})") from None
+  model_cfg = cfg.get("model", {})
+  if files.holds_full_model():
+    return RunSource(str(files.full_model), None, model_cfg.get("dtype", "float32"))
+  if not (files.adapter / "adapter_config.json").is_file():
+    raise RunDirError(f"{files.adapter / 'adapter_config.json'} is missing: {files.dir} has no adapter yet "
+                      f"(the run has not saved one; it writes it at checkpoints and at the end)")
+  name = model_cfg.get("name")
+  if not name:
+    raise RunDirError(f"{files.config}: field model.name is missing")
+  return RunSource(name, str(files.adapter), model_cfg.get("dtype", "float32"), model_cfg.get("quantize", "none"),
+                   model_cfg.get("quant_block_size", 64))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ from flax import nnx
 
 from jaxsft import flops as flops_lib
 from jaxsft import models
-from jaxsft import run_files
 from jaxsft import sharding as sharding_lib
 from jaxsft import step as step_lib
 from jaxsft.train.prefetch import DevicePrefetch
@@ -175,11 +174,7 @@ def save_checkpoint(run: Run, state: RunState) -> bool:
     return False
   run.checkpoints.save(state)
   run.last_saved_step = state.step
-  model = nnx.merge(run.graphdef, state.lora, run.frozen)
-  if run.cfg.mode == "full":
-    save_full_model(run, model)
-  else:
-    run.files.save_adapter(model, run.cfg.model.name)
+  save_tuned(run, nnx.merge(run.graphdef, state.lora, run.frozen))
   return True
 
 
@@ -198,28 +193,31 @@ def discard_poisoned_checkpoint(run: Run, state: RunState, first_bad_step: int) 
   checkpoints.manager.delete(newest)
   good = checkpoints.manager.latest_step()
   if good is None:
-    if run.files.writer:
-      for name in ("adapter", "model"):
-        run_files.remove_directory(run.files.dir / name)
+    run.files.remove_tuned()
     return None
   restored = checkpoints._restore(good, state, lambda data_state: None)
-  model = nnx.merge(run.graphdef, restored.lora, run.frozen)
+  save_tuned(run, nnx.merge(run.graphdef, restored.lora, run.frozen))
+  return good
+
+
+def save_tuned(run: Run, model) -> None:
+  """The tuned weights where `RunFiles.tuned` puts them for the run's mode: the full model or
+  the adapter."""
   if run.cfg.mode == "full":
     save_full_model(run, model)
   else:
     run.files.save_adapter(model, run.cfg.model.name)
-  return good
 
 
 def save_full_model(run: Run, model) -> None:
   """mode=full: the whole tuned model as a Hugging Face folder (RUN_DIR/model), swapped in whole."""
   if not run.files.writer:
     return
-  from jaxsft import export, run_files
+  from jaxsft import export
 
   tensors = {k: np.asarray(v) for k, v in models.to_hf_state_dict(model).items()}
   dtype = str(np.dtype(next(iter(tensors.values())).dtype))
-  run_files.replace_directory(run.files.dir / "model", lambda tmp: export.write_hf(
+  run.files.save_full_model(lambda tmp: export.write_hf(
       tmp, model.config, tensors, run.tokenizer, "bfloat16" if dtype == "bfloat16" else "float32"))
 
 
