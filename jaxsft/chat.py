@@ -149,7 +149,7 @@ def read_prompts(path: str) -> list[tuple[dict, list[dict]]]:
 
 
 def run_batch(model, tokenizer, args, sampling) -> int:
-  from jaxsft import run_files
+  from jaxsft import io
   from jaxsft.generate import generate
 
   items = read_prompts(args.input)
@@ -163,7 +163,7 @@ def run_batch(model, tokenizer, args, sampling) -> int:
       record["reply"] = reply
       f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
-  run_files.atomic_write(args.output, write)
+  io.atomic_write(args.output, write)
   print(f"wrote {len(replies)} replies to {args.output}", file=sys.stderr)
   return 0
 

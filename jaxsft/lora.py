@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsft import run_files
+from jaxsft import io
 from jaxsft.errors import JaxsftError
 
 # The Llama family's projections: module name -> path inside a decoder layer (as in transformers).
@@ -221,9 +221,9 @@ def save_adapter(model, directory: str | os.PathLike, *, base_model_name_or_path
   if base_model_name_or_path is None:
     base_model_name_or_path = getattr(model, "name_or_path", None)
   config = peft_adapter_config(lora_settings(model), base_model_name_or_path)
-  with run_files.atomic_path(directory / ADAPTER_WEIGHTS) as tmp:
+  with io.atomic_path(directory / ADAPTER_WEIGHTS) as tmp:
     save_file(tensors, str(tmp), metadata={"format": "pt"})
-  run_files.write_json(directory / ADAPTER_CONFIG, config)
+  io.write_json(directory / ADAPTER_CONFIG, config)
   return directory
 
 

@@ -355,7 +355,8 @@ def test_a_diverging_run_saves_no_poisoned_checkpoint_and_keeps_the_last_good_on
   throws the weights to ~1e38 (finite, but every later loss is NaN), steps 3-4 are skipped."""
   import numpy as np
 
-  from jaxsft import lora, models, run_files, train
+  from jaxsft import io as jaxsft_io
+  from jaxsft import lora, models, train
 
   out = tmp_path / "run"
   code = train.main(tiny_train_args(tiny_model_dir, out, "--lr", "1e38", "optim.schedule=constant",
@@ -370,7 +371,7 @@ def test_a_diverging_run_saves_no_poisoned_checkpoint_and_keeps_the_last_good_on
   model, _ = models.load_model(str(tiny_model_dir))
   lora.load_adapter(model, out / "adapter")  # rewritten from checkpoint 1: finite, as the weights of step 1
   assert all(np.isfinite(np.asarray(x)).all() for x in lora.adapter_tensors(model).values())
-  assert not any(run_files._TEMP.match(p.name) for p in out.iterdir())
+  assert not any(jaxsft_io.TEMP_NAME.match(p.name) for p in out.iterdir())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -463,6 +464,7 @@ def hidden(folder: pathlib.Path) -> list[str]:
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "two-renames"])
 def test_killed_adapter_swap_leaves_a_whole_adapter(tmp_path, exchange):
+  from jaxsft import io as jaxsft_io
   from jaxsft import run_files
 
   def version_of(adapter: pathlib.Path) -> str:
@@ -474,9 +476,9 @@ def test_killed_adapter_swap_leaves_a_whole_adapter(tmp_path, exchange):
   env = {} if exchange else {"CRASH_WRITER_NO_EXCHANGE": "1"}
   runs = [tmp_path / f"run{n}" for n in range(12)]
   for run in runs:
-    run_files.replace_directory(run / "adapter", lambda tmp: (
-        run_files.write_json(tmp / "adapter_config.json", {"peft_type": "LORA", "version": "old"}),
-        run_files.atomic_write(tmp / "adapter_model.safetensors", lambda f: f.write(b"old" * 1000), binary=True)))
+    jaxsft_io.replace_directory(run / "adapter", lambda tmp: (
+        jaxsft_io.write_json(tmp / "adapter_config.json", {"peft_type": "LORA", "version": "old"}),
+        jaxsft_io.atomic_write(tmp / "adapter_model.safetensors", lambda f: f.write(b"old" * 1000), binary=True)))
   points, _ = crash_runs("adapter", runs, "new", env=env)
   assert points < len(runs)
   assert version_of(runs[0] / "adapter") == "new"
@@ -523,7 +525,8 @@ def test_killed_checkpoint_save_leaves_the_old_or_the_new_checkpoint_whole(tmp_p
 
 @pytest.mark.slow
 def test_killed_export_leaves_the_old_or_the_new_export_whole(tiny_run, tmp_path):
-  from jaxsft import export, run_files
+  from jaxsft import export
+  from jaxsft import io as jaxsft_io
 
   old = export.export(str(tiny_run["model"]), None, tmp_path / "first")
   old_tree = tree(old)
@@ -538,7 +541,7 @@ def test_killed_export_leaves_the_old_or_the_new_export_whole(tiny_run, tmp_path
   found = set()
   for out in outs[1:points + 1]:
     found.add("new" if tree(out) == new_tree else "old" if tree(out) == old_tree else f"broken {tree(out)}")
-    run_files.remove_leftovers(out)  # as the next export to `out` does first
+    jaxsft_io.remove_leftovers(out)  # as the next export to `out` does first
     assert [name for name in hidden(out.parent) if name.startswith(f".{out.name}.")] == []
   assert found <= {"old", "new"} and "old" in found, found
 

@@ -37,7 +37,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from jaxsft import run_files
+from jaxsft import io
 from jaxsft.errors import ModelError
 from jaxsft.models import families, llama
 from jaxsft.models.families import FULL, SLIDING
@@ -448,7 +448,7 @@ def load_gguf_cached(source: ModelSource) -> tuple[dict, dict[str, np.ndarray], 
       hf_config.pop("_jaxsft_gguf_stamp")
       return hf_config, load_file(str(weights)), f"{gguf_path} (cached in {folder})"
   hf_config, tensors = read_gguf(gguf_path)
-  with run_files.atomic_path(weights) as tmp:
+  with io.atomic_path(weights) as tmp:
     save_file(tensors, str(tmp))
-  run_files.write_json(config_file, {**hf_config, "_jaxsft_gguf_stamp": stamp})  # last: its stamp marks the cache complete
+  io.write_json(config_file, {**hf_config, "_jaxsft_gguf_stamp": stamp})  # last: its stamp marks the cache complete
   return hf_config, tensors, str(gguf_path)
