@@ -24,7 +24,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def error_line(capsys) -> str:
   """The refusal's `error:` line: the only one, the last on stderr (log lines may come before),
   no traceback."""
-  err = capsys.readouterr().err
+  return only_error_line(capsys.readouterr().err)
+
+
+def only_error_line(err: str) -> str:
+  """`error_line` of a command's captured stderr."""
   lines = [line for line in err.splitlines() if line.strip()]
   assert "Traceback" not in err, err[-3000:]
   assert lines and lines[-1].startswith("error: ") and sum(line.startswith("error:") for line in lines) == 1, err[-3000:]
@@ -121,24 +125,27 @@ def bert_dir(tmp_path):
   return folder
 
 
-def test_unsupported_architecture_is_one_error_line_in_every_command(bert_dir, tmp_path, capsys, shared_data):
-  from jaxsft import chat, export, train
-  from jaxsft.data import __main__ as data_main
+@pytest.mark.parametrize("command", ["train", "chat", "export", "data build"])
+def test_unsupported_architecture_is_one_error_line_in_every_command(command, bert_dir, tmp_path, run_cli,
+                                                                     shared_data):
+  """Refused before any weight or tokenizer is read: one `error:` line naming the architecture and
+  the supported ones, exit 2, nothing written."""
+  import importlib
 
   data = next(p for p in sorted(shared_data.iterdir()) if p.suffix in (".jsonl", ".json"))
   out = tmp_path / "out"
-  commands = {
-      "train": lambda: train.main(["--model", str(bert_dir), "--output-dir", str(out), "--max-steps", "1"]),
-      "chat": lambda: chat.main(["--model", str(bert_dir), "--prompt", "hi"]),
-      "export": lambda: export.main(["--model", str(bert_dir), "--out", str(out)]),
-      "data build": lambda: data_main.main(["build", "--data", str(data), "--model", str(bert_dir),
-                                            "--cache-dir", str(tmp_path / "tokens")]),
-  }
-  for name, command in commands.items():
-    assert command() == 2, name
-    line = error_line(capsys)
-    assert "'bert'" in line and "llama" in line and "qwen2" in line, (name, line)  # the supported list
-    assert not out.exists(), name
+  module, argv = {
+      "train": ("jaxsft.train", ["--model", bert_dir, "--output-dir", out, "--max-steps", 1]),
+      "chat": ("jaxsft.chat", ["--model", bert_dir, "--prompt", "hi"]),
+      "export": ("jaxsft.export", ["--model", bert_dir, "--out", out]),
+      "data build": ("jaxsft.data.__main__", ["build", "--data", data, "--model", bert_dir,
+                                              "--cache-dir", tmp_path / "tokens"]),
+  }[command]
+  r = run_cli(importlib.import_module(module).main, argv)
+  assert r.returncode == 2, r.stderr[-3000:]
+  line = only_error_line(r.stderr)
+  assert "'bert'" in line and "llama" in line and "qwen2" in line, line  # the supported list
+  assert not out.exists()
 
 
 def test_unsupported_architecture_prints_no_traceback_from_the_shell(bert_dir, tmp_path):
