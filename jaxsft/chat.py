@@ -21,7 +21,6 @@ import json
 import logging
 import pathlib
 import sys
-from typing import Any
 
 from jaxsft import errors, quiet
 from jaxsft.errors import JaxsftError
@@ -32,7 +31,7 @@ EXIT_USAGE = errors.EXIT_USAGE
 
 
 class ChatError(JaxsftError):
-  """Bad input to the CLI (missing run/adapter, wrong base, unreadable prompts): exit 2."""
+  """Bad input to the CLI (missing adapter, wrong base, unreadable prompts): exit 2."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -83,33 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------------------------------------
-# Which model: a run directory, or --model [--adapter].
-
-
-def resolve_run(run_dir: str) -> dict[str, Any]:
-  """{"model", "adapter" (or None), "dtype", "quantize", "quant_block_size"} of a finished run;
-  ChatError when it is not one."""
-  run = pathlib.Path(run_dir)
-  config_path = run / "config.json"
-  if not config_path.is_file():
-    raise ChatError(f"{config_path} is missing: {run} is not a jaxsft run directory")
-  try:
-    cfg = json.loads(config_path.read_text())
-  except json.JSONDecodeError as e:
-    raise ChatError(f"{config_path}: line {e.lineno}: invalid JSON ({e.msg})") from None
-  full_model = run / "model"
-  if (full_model / "config.json").is_file():  # a full fine-tuning run: the whole tuned model
-    return {"model": str(full_model), "adapter": None, "dtype": cfg.get("model", {}).get("dtype", "float32")}
-  adapter = run / "adapter"
-  if not (adapter / "adapter_config.json").is_file():
-    raise ChatError(f"{adapter / 'adapter_config.json'} is missing: {run} has no adapter yet "
-                    f"(the run has not saved one; it writes it at checkpoints and at the end)")
-  name = cfg.get("model", {}).get("name")
-  if not name:
-    raise ChatError(f"{config_path}: field model.name is missing")
-  model_cfg = cfg.get("model", {})
-  return {"model": name, "adapter": str(adapter), "dtype": model_cfg.get("dtype", "float32"),
-          "quantize": model_cfg.get("quantize", "none"), "quant_block_size": model_cfg.get("quant_block_size", 64)}
+# Which model: a run directory (`run_files.resolve_run`), or --model [--adapter].
 
 
 def load(model_name: str, adapter: str | None, dtype: str, quantize: str = "none", quant_block_size: int = 64):
@@ -126,9 +99,10 @@ def load(model_name: str, adapter: str | None, dtype: str, quantize: str = "none
 
 def load_from_args(args):
   if args.run_dir:
+    from jaxsft.run_files import resolve_run
+
     source = resolve_run(args.run_dir)
-    return load(source["model"], source["adapter"], args.dtype or source["dtype"], source.get("quantize", "none"),
-                source.get("quant_block_size", 64))
+    return load(source.model, source.adapter, args.dtype or source.dtype, source.quantize, source.quant_block_size)
   return load(args.model, args.adapter, args.dtype or "float32", args.quantize or "none",
               args.quant_block_size or 64)
 
@@ -175,7 +149,7 @@ def read_prompts(path: str) -> list[tuple[dict, list[dict]]]:
 
 
 def run_batch(model, tokenizer, args, sampling) -> int:
-  from jaxsft import run_files
+  from jaxsft import io
   from jaxsft.generate import generate
 
   items = read_prompts(args.input)
@@ -189,7 +163,7 @@ def run_batch(model, tokenizer, args, sampling) -> int:
       record["reply"] = reply
       f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
-  run_files.atomic_write(args.output, write)
+  io.atomic_write(args.output, write)
   print(f"wrote {len(replies)} replies to {args.output}", file=sys.stderr)
   return 0
 

@@ -226,6 +226,38 @@ def diagnose(train_steps: Sequence[float], train_loss: Sequence[float], *,
              steps_per_epoch: int | None = None, grad_norm: Sequence[float] | None = None) -> Diagnosis:
   """Classify a loss curve (see the module docstring for the statistics and thresholds).
   `grad_norm`, when given, is the gradient norm of each of `train_steps`."""
+  curve = _finite_curve(train_steps, train_loss, grad_norm)
+  if isinstance(curve, Diagnosis):
+    return curve
+  steps, loss, grads, evidence = curve
+  if loss.size < MIN_POINTS:
+    return _make("too_short", f"only {loss.size} finite training losses", evidence)
+  collapsed = _collapsed(loss, grads, evidence)
+  if collapsed is not None:
+    return collapsed
+  lv = _Levels.of(steps, loss, evidence)
+  if lv.last > lv.first + max(DIVERGE_REL_RISE * lv.scale, 3 * lv.se) and lv.z >= TREND_Z:
+    return _make("diverging", f"the loss ended {-lv.rel_drop:.0%} above where it started "
+                 f"({lv.first:.4g} -> {lv.last:.4g})", evidence)
+  near_zero = _near_zero_early(steps, lv.s, lv.first, steps_per_epoch, val_steps, val_loss, evidence)
+  if near_zero is not None:
+    return near_zero
+  overfit = _validation_overfit(steps, lv.s, val_steps, val_loss, evidence)
+  worse = _made_worse(loss, lv.last, evidence)
+  if worse is not None:
+    return worse
+  if overfit:
+    return _make("overfitting", overfit, evidence)
+  rebound = _rebound(steps, lv, evidence)
+  if rebound is not None:
+    return rebound
+  return _trend(loss, lv, val_steps, val_loss, evidence)
+
+
+def _finite_curve(train_steps: Sequence[float], train_loss: Sequence[float], grad_norm: Sequence[float] | None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, dict[str, Any]] | Diagnosis:
+  """(steps, loss, grad norms, evidence) of the finite losses in step order, or "diverging" when
+  the loss went non-finite at the end or more than now and then."""
   steps = np.asarray(train_steps, dtype=np.float64).reshape(-1)
   loss = np.asarray(train_loss, dtype=np.float64).reshape(-1)
   if steps.shape != loss.shape:
@@ -241,75 +273,80 @@ def diagnose(train_steps: Sequence[float], train_loss: Sequence[float], *,
     return _make("diverging", f"the loss became non-finite ({n_nonfinite} of {loss.size} steps, "
                  f"first at step {int(first_bad)})", evidence)
   grads = None if grad_norm is None else np.asarray(grad_norm, dtype=np.float64).reshape(-1)[order][finite]
-  steps, loss = steps[finite], loss[finite]
-  n = loss.size
-  if n < MIN_POINTS:
-    return _make("too_short", f"only {n} finite training losses", evidence)
-  collapsed = _collapsed(loss, grads, evidence)
-  if collapsed is not None:
-    return collapsed
+  return steps[finite], loss[finite], grads, evidence
 
-  k_first, k_last = int(np.clip(n // 20, 3, 25)), int(np.clip(n // 10, 3, 50))
-  window = smoothing_window(n)
-  s = smooth(loss, window)
-  first, last = float(np.median(loss[:k_first])), float(np.median(loss[-k_last:]))
-  noise, noise_rms = _noise(loss, window)
-  se = 1.2533 * noise_rms * math.sqrt(1.0 / k_first + 1.0 / k_last)
-  drop = first - last
-  scale = max(abs(first), 1e-12)
-  rel_drop = drop / scale
-  noise_rel = noise / max(abs(last), 1e-12)
-  i_min = int(np.argmin(s))
-  evidence.update(
-      first_level=first, last_level=last, rel_drop=rel_drop, noise=noise, noise_rel=noise_rel,
-      trend_to_noise=drop / noise, smoothed_min=float(s[i_min]), smoothed_min_step=int(steps[i_min]),
-      window=window)
 
-  z = _mann_kendall_z(loss)
-  evidence["mann_kendall_z"] = z
-  if last > first + max(DIVERGE_REL_RISE * scale, 3 * se) and z >= TREND_Z:
-    return _make("diverging", f"the loss ended {-rel_drop:.0%} above where it started "
-                 f"({first:.4g} -> {last:.4g})", evidence)
+@dataclasses.dataclass(frozen=True)
+class _Levels:
+  """The start and end levels of a finite curve, its noise and trend (the rules' common numbers)."""
 
-  near_zero = _near_zero_early(steps, s, first, steps_per_epoch, val_steps, val_loss, evidence)
-  if near_zero is not None:
-    return near_zero
+  n: int
+  s: np.ndarray  # the smoothed loss
+  first: float
+  last: float
+  se: float  # standard error of first - last
+  drop: float
+  scale: float
+  rel_drop: float
+  noise_rel: float
+  i_min: int  # the smoothed minimum's index
+  z: float  # Mann-Kendall
 
-  overfit = _validation_overfit(steps, s, val_steps, val_loss, evidence)
-  worse = _made_worse(loss, last, evidence)
-  if worse is not None:
-    return worse
-  if overfit:
-    return _make("overfitting", overfit, evidence)
-  fall = first - float(s[i_min])
-  rebound = last - float(s[i_min])
-  if (i_min < REBOUND_MIN_POSITION * n and fall >= max(REBOUND_MIN_DROP * scale, 3 * se)
-      and rebound >= max(REBOUND_FRACTION * fall, 3 * se)):
-    evidence["rebound_fraction"] = rebound / fall
-    return _make("overfitting", f"the training loss fell to {s[i_min]:.4g} at step "
-                 f"{int(steps[i_min])}, then rose back to {last:.4g} ({rebound / fall:.0%} of "
-                 "its fall)", evidence)
+  @classmethod
+  def of(cls, steps: np.ndarray, loss: np.ndarray, evidence: dict[str, Any]) -> "_Levels":
+    """The levels of `loss`, also added to `evidence`."""
+    n = loss.size
+    k_first, k_last = int(np.clip(n // 20, 3, 25)), int(np.clip(n // 10, 3, 50))
+    window = smoothing_window(n)
+    s = smooth(loss, window)
+    first, last = float(np.median(loss[:k_first])), float(np.median(loss[-k_last:]))
+    noise, noise_rms = _noise(loss, window)
+    se = 1.2533 * noise_rms * math.sqrt(1.0 / k_first + 1.0 / k_last)
+    drop, scale = first - last, max(abs(first), 1e-12)
+    rel_drop, noise_rel = drop / scale, noise / max(abs(last), 1e-12)
+    i_min = int(np.argmin(s))
+    evidence.update(first_level=first, last_level=last, rel_drop=rel_drop, noise=noise, noise_rel=noise_rel,
+                    trend_to_noise=drop / noise, smoothed_min=float(s[i_min]), smoothed_min_step=int(steps[i_min]),
+                    window=window)
+    evidence["mann_kendall_z"] = z = _mann_kendall_z(loss)
+    return cls(n, s, first, last, se, drop, scale, rel_drop, noise_rel, i_min, z)
 
+
+def _rebound(steps: np.ndarray, lv: _Levels, evidence: dict[str, Any]) -> Diagnosis | None:
+  """Overfitting seen in the training loss alone: it fell, then rose back a good part of its fall."""
+  fall, rebound = lv.first - float(lv.s[lv.i_min]), lv.last - float(lv.s[lv.i_min])
+  if not (lv.i_min < REBOUND_MIN_POSITION * lv.n and fall >= max(REBOUND_MIN_DROP * lv.scale, 3 * lv.se)
+          and rebound >= max(REBOUND_FRACTION * fall, 3 * lv.se)):
+    return None
+  evidence["rebound_fraction"] = rebound / fall
+  return _make("overfitting", f"the training loss fell to {lv.s[lv.i_min]:.4g} at step "
+               f"{int(steps[lv.i_min])}, then rose back to {lv.last:.4g} ({rebound / fall:.0%} of "
+               "its fall)", evidence)
+
+
+def _trend(loss: np.ndarray, lv: _Levels, val_steps: Sequence[float] | None, val_loss: Sequence[float] | None,
+           evidence: dict[str, Any]) -> Diagnosis:
+  """Healthy (leveled off or still falling) after a significant fall, else `_without_trend`."""
   # A trend: 10% lower at the end, and significant by the end medians, by Mann-Kendall over
   # every point, or by the (low-noise) validation loss.
   val_drop = None
   if "val_first" in evidence:
     val_drop = (evidence["val_first"] - evidence["val_last"]) / max(abs(evidence["val_first"]), 1e-12)
     evidence["val_rel_drop"] = val_drop
-  significant = drop >= 2.5 * se or z <= -TREND_Z or (val_drop is not None and val_drop >= FLAT_REL_DROP)
-  if max(rel_drop, val_drop or 0.0) < FLAT_REL_DROP or not significant:
-    return _without_trend(loss, first, last, noise_rel, evidence)
+  significant = lv.drop >= 2.5 * lv.se or lv.z <= -TREND_Z or (val_drop is not None and val_drop >= FLAT_REL_DROP)
+  if max(lv.rel_drop, val_drop or 0.0) < FLAT_REL_DROP or not significant:
+    return _without_trend(loss, lv.first, lv.last, lv.noise_rel, evidence)
 
   # Leveled off: the last quarter fell less than PLATEAU_FRACTION of the whole drop, unless the
   # (far less noisy) validation loss fell in its last interval at least half its average interval.
-  q3 = float(s[min(int(0.75 * n), n - 1)])
-  plateaued = (q3 - last) < PLATEAU_FRACTION * drop
+  q3 = float(lv.s[min(int(0.75 * lv.n), lv.n - 1)])
+  plateaued = (q3 - lv.last) < PLATEAU_FRACTION * lv.drop
   if val_drop is not None:
     _, vl = _finite_validation(val_steps, val_loss)
     mean_interval = (vl[0] - vl[-1]) / (vl.size - 1)
     plateaued = plateaued and not (mean_interval > 0 and vl[-2] - vl[-1] >= 0.5 * mean_interval)
   evidence["plateaued"] = plateaued
-  summary = f"the loss fell {rel_drop:.0%} ({first:.4g} -> {last:.4g})"
+  summary = f"the loss fell {lv.rel_drop:.0%} ({lv.first:.4g} -> {lv.last:.4g})"
   if plateaued:
     return _make("healthy", summary + " and leveled off", evidence)
   return _make("healthy", summary + " and was still falling at the end", evidence,

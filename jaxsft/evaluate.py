@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import re
 import sys
 from typing import Any, Sequence
@@ -121,12 +120,12 @@ def _main(args) -> int:
   from jaxsft import lora as lora_lib
   from jaxsft import models, run_files
 
-  run = pathlib.Path(args.run_dir)
-  full = (run / "model" / "config.json").is_file()  # a full fine-tuning run
-  for name in ("config.json", "heldout.json", "model" if full else "adapter"):
-    if not (run / name).exists():
-      raise errors.JaxsftError(f"{run / name} is missing: {run} is not a finished jaxsft run")
-  cfg = config_lib.from_dict(json.loads((run / "config.json").read_text()))
+  files = run_files.RunFiles(args.run_dir)
+  full = files.holds_full_model()
+  for path in (files.config, files.heldout, files.tuned(full)):
+    if not path.exists():
+      raise errors.JaxsftError(f"{path} is missing: {files.dir} is not a finished jaxsft run")
+  cfg = config_lib.from_dict(json.loads(files.config.read_text()))
   if args.num_prompts:
     cfg.eval.num_prompts = args.num_prompts
   if args.max_new_tokens:
@@ -134,14 +133,14 @@ def _main(args) -> int:
   dtype = cfg.model.dtype
   base = None
   if full:
-    model, tokenizer = models.load_model(str(run / "model"), dtype=dtype)
+    model, tokenizer = models.load_model(str(files.full_model), dtype=dtype)
     base = models.load_causal_lm(cfg.model.name, dtype=dtype)
   else:
     model, tokenizer = models.load_model(cfg.model.name, dtype=dtype)
-    lora_lib.load_adapter(model, str(run / "adapter"))
-  records = json.loads((run / "heldout.json").read_text())
+    lora_lib.load_adapter(model, str(files.adapter))
+  records = json.loads(files.heldout.read_text())
   out = compare_base_and_tuned(model, tokenizer, records, cfg, base=base)
-  run_files.write_json(run / "evaluation.json", out)
+  files.write_json("evaluation.json", out)
   return 0
 
 

@@ -194,7 +194,7 @@ def export(model_name: str, adapter: str | None, out: str | pathlib.Path, *, fmt
            dtype: str = "float32", overwrite: bool = False, max_shard_size: int | str = "5GB",
            run_dir: str | None = None, quantize: str = "none", quant_block_size: int = 64) -> pathlib.Path:
   """Merge `adapter` into `model_name` and write it to `out` (see the module docstring)."""
-  from jaxsft import lora, quant, run_files
+  from jaxsft import io, lora, quant
   from jaxsft.models import hub
 
   out = pathlib.Path(out)
@@ -228,7 +228,7 @@ def export(model_name: str, adapter: str | None, out: str | pathlib.Path, *, fmt
       write_gguf(tmp / "model.gguf", config, tensors, tokenizer, dtype, source_gguf,
                  name=pathlib.Path(model_name).name + ("-tuned" if adapter else ""))
 
-  return run_files.replace_directory(out, fill)
+  return io.replace_directory(out, fill)
 
 
 def main(argv=None) -> int:
@@ -257,13 +257,13 @@ def main(argv=None) -> int:
 
 
 def _main(args) -> int:
-  from jaxsft.chat import resolve_run
+  from jaxsft.run_files import resolve_run
 
   quantize, block = "none", 64
   if args.run_dir:
     source = resolve_run(args.run_dir)
-    model_name, adapter = source["model"], source["adapter"]
-    quantize, block = source.get("quantize", "none"), source.get("quant_block_size", 64)
+    model_name, adapter = source.model, source.adapter
+    quantize, block = source.quantize, source.quant_block_size
   else:
     model_name, adapter = args.model, args.adapter
   quantize = args.quantize or quantize

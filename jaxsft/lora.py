@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsft import run_files
+from jaxsft import io
 from jaxsft.errors import JaxsftError
 
 # The Llama family's projections: module name -> path inside a decoder layer (as in transformers).
@@ -221,9 +221,9 @@ def save_adapter(model, directory: str | os.PathLike, *, base_model_name_or_path
   if base_model_name_or_path is None:
     base_model_name_or_path = getattr(model, "name_or_path", None)
   config = peft_adapter_config(lora_settings(model), base_model_name_or_path)
-  with run_files.atomic_path(directory / ADAPTER_WEIGHTS) as tmp:
+  with io.atomic_path(directory / ADAPTER_WEIGHTS) as tmp:
     save_file(tensors, str(tmp), metadata={"format": "pt"})
-  run_files.write_json(directory / ADAPTER_CONFIG, config)
+  io.write_json(directory / ADAPTER_CONFIG, config)
   return directory
 
 
@@ -274,18 +274,55 @@ def load_adapter(model, directory: str | os.PathLike):
   Any tensor that does not fit (unknown module or key, wrong shape, layer out of range, a
   missing A/B or layer) raises an error naming the tensor; nothing is skipped silently.
   """
-  from safetensors.numpy import load_file
-
   directory = pathlib.Path(directory)
   config = _read_adapter_config(directory / ADAPTER_CONFIG)
   weights_path = directory / ADAPTER_WEIGHTS
+  tensors = _read_adapter_weights(weights_path)
+  r = int(config["r"])
+  num_layers = model.config.num_layers
+  paths = module_paths(model)
+  found = _adapter_tensors_by_module(model, tensors, r, weights_path)
+  declared = config.get("target_modules")
+  if isinstance(declared, (list, tuple)) and set(found) - set(declared):
+    raise ValueError(f"{directory / ADAPTER_CONFIG}: target_modules {declared} does not list "
+                     f"{sorted(set(found) - set(declared))}, which have tensors")
+  base = config.get("base_model_name_or_path")
+  own = getattr(model, "name_or_path", None)
+  if base and own and base != own:
+    warnings.warn(f"{directory}: adapter was made for base {base!r}, loading onto {own!r} (shapes match)")
+
+  names = tuple(n for n in paths if n in found)
+  remove_lora(model)
+  for name in names:
+    proj = _projection(model, name)
+    layers = found[name]
+    proj.lora_a = nnx.LoRAParam(jnp.asarray(np.stack([layers[i]["A"].T for i in range(num_layers)]),
+                                            jnp.float32))
+    proj.lora_b = nnx.LoRAParam(jnp.asarray(np.stack([layers[i]["B"].T for i in range(num_layers)]),
+                                            jnp.float32))
+  settings = LoraSettings(r=r, alpha=float(config["lora_alpha"]), dropout=float(config.get("lora_dropout", 0.0)),
+                          target_modules=names, rslora=bool(config.get("use_rslora", False)))
+  _set_scales(model, settings)
+  return model
+
+
+def _read_adapter_weights(weights_path: pathlib.Path) -> dict[str, np.ndarray]:
+  """The tensors of an adapter's safetensors file; a missing or unreadable one is refused."""
+  from safetensors.numpy import load_file
+
   if not weights_path.is_file():
     raise FileNotFoundError(f"{weights_path}: missing (PEFT adapters are read from safetensors)")
   try:
-    tensors = load_file(str(weights_path))
+    return load_file(str(weights_path))
   except Exception as e:  # safetensors' own SafetensorError (a bad header), or a length it cannot allocate
     raise AdapterError(f"{weights_path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
-  r = int(config["r"])
+
+
+def _adapter_tensors_by_module(model, tensors: dict[str, np.ndarray], r: int, weights_path: pathlib.Path
+                               ) -> dict[str, dict[int, dict[str, np.ndarray]]]:
+  """module -> layer -> "A"/"B" -> the PEFT tensor, each checked against `model` (its module,
+  layer and shape) and every targeted module complete in every layer; ValueError naming the
+  tensor otherwise."""
   num_layers = model.config.num_layers
   paths = module_paths(model)
   found: dict[str, dict[int, dict[str, np.ndarray]]] = {}
@@ -313,28 +350,7 @@ def load_adapter(model, directory: str | os.PathLike):
         if which not in layers.get(layer, {}):
           raise ValueError(f"{weights_path}: tensor base_model.model.model.layers.{layer}."
                            f"{'.'.join(paths[module])}.lora_{which}.weight is missing")
-  declared = config.get("target_modules")
-  if isinstance(declared, (list, tuple)) and set(found) - set(declared):
-    raise ValueError(f"{directory / ADAPTER_CONFIG}: target_modules {declared} does not list "
-                     f"{sorted(set(found) - set(declared))}, which have tensors")
-  base = config.get("base_model_name_or_path")
-  own = getattr(model, "name_or_path", None)
-  if base and own and base != own:
-    warnings.warn(f"{directory}: adapter was made for base {base!r}, loading onto {own!r} (shapes match)")
-
-  names = tuple(n for n in paths if n in found)
-  remove_lora(model)
-  for name in names:
-    proj = _projection(model, name)
-    layers = found[name]
-    proj.lora_a = nnx.LoRAParam(jnp.asarray(np.stack([layers[i]["A"].T for i in range(num_layers)]),
-                                            jnp.float32))
-    proj.lora_b = nnx.LoRAParam(jnp.asarray(np.stack([layers[i]["B"].T for i in range(num_layers)]),
-                                            jnp.float32))
-  settings = LoraSettings(r=r, alpha=float(config["lora_alpha"]), dropout=float(config.get("lora_dropout", 0.0)),
-                          target_modules=names, rslora=bool(config.get("use_rslora", False)))
-  _set_scales(model, settings)
-  return model
+  return found
 
 
 def load_with_adapter(model_name: str, adapter: str | os.PathLike | None, *, dtype: str, quantize: str = "none",

@@ -1,7 +1,7 @@
 """`loss_curve.png`: training loss (raw and smoothed) and validation loss against step.
 
 matplotlib is imported lazily with the Agg backend (no display needed), and the PNG is written
-atomically (`run_files.atomic_write`), so a reader never sees half an image.
+atomically (`io.atomic_write`), so a reader never sees half an image.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pathlib
 
 import numpy as np
 
-from jaxsft import doctor, run_files
+from jaxsft import doctor, io, run_files
 
 
 def plot_loss_curve(run_dir_or_metrics, out_png: str | os.PathLike | None = None) -> pathlib.Path:
@@ -72,4 +72,4 @@ def plot_loss_curve(run_dir_or_metrics, out_png: str | os.PathLike | None = None
   ax.legend(loc="upper right")
   fig.tight_layout()
 
-  return run_files.atomic_write(out_png, lambda f: fig.savefig(f, format="png"), binary=True)
+  return io.atomic_write(out_png, lambda f: fig.savefig(f, format="png"), binary=True)

@@ -1,10 +1,9 @@
-"""What a run writes and reads back, written so that a reader (or a crash) never sees half of it.
+"""What a run writes and reads back, each file written atomically (`jaxsft.io`).
 
-- `atomic_path` / `atomic_write` / `write_json` / `replace_directory`: the one way jaxsft writes a
-  file or a folder (temp beside the target, fsync, rename). A temp's name carries its writer
-  (`.<name>.<host>-<pid>.<random>.tmp`), so `remove_leftovers` can delete those of dead writers.
 - `RunLock`: one writer per run directory.
-- `RunFiles`: the layout of a run directory, the `metrics.jsonl` writer and the adapter save.
+- `RunFiles`: the layout of a run directory (where its config, metrics, checkpoints and tuned
+  weights are), the `metrics.jsonl` writer and the save of the adapter or full model.
+- `resolve_run`: what loads a finished run's tuned model (chat, export).
 - `read_metrics`: the one `metrics.jsonl` reader (the doctor, the plot and the tests use it).
 
 metrics.jsonl holds one JSON object per line:
@@ -18,199 +17,21 @@ A resumed run appends; for a step logged twice the later line wins.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
-import errno
 import json
 import logging
 import math
 import os
 import pathlib
-import re
 import shutil
 import socket
-import tempfile
 import time
-from typing import IO, Callable, Iterator
+from typing import Callable, Iterator
 
+from jaxsft import io
 from jaxsft.errors import JaxsftError
 
 log = logging.getLogger("jaxsft.run_files")
-
-
-# ---------------------------------------------------------------------------------------------
-# Atomic writes.
-
-
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[pathlib.Path]:
-  """A temp path beside `path` to write; on success it is fsynced and renamed over `path`.
-
-  The rename is atomic on POSIX: `path` holds either the old content or all of the new. On an
-  exception the temp file is removed and `path` is untouched.
-  """
-  path = pathlib.Path(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent)
-  os.close(fd)
-  tmp = pathlib.Path(tmp)
-  try:
-    yield tmp
-    with open(tmp, "rb") as f:
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  finally:
-    tmp.unlink(missing_ok=True)
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], *, binary: bool = False) -> pathlib.Path:
-  """`write(f)` to an open file that replaces `path` atomically once `write` returns."""
-  with atomic_path(path) as tmp:
-    with open(tmp, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
-      write(f)
-  return pathlib.Path(path)
-
-
-def write_text(path: str | os.PathLike, text: str) -> pathlib.Path:
-  return atomic_write(path, lambda f: f.write(text))
-
-
-def write_json(path: str | os.PathLike, obj) -> pathlib.Path:
-  return write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
-
-
-def replace_directory(target: str | os.PathLike, fill: Callable[[pathlib.Path], None]) -> pathlib.Path:
-  """`fill(tmp_dir)` into a fresh folder beside `target`, then swap it in for `target`.
-
-  The swap is one atomic exchange of the two names (Linux `renameat2(RENAME_EXCHANGE)`), so at
-  every instant `target` is the whole old folder or the whole new one, and a crash leaves at most
-  a hidden temp beside it (removed by the next writer, `remove_leftovers`). Where the exchange is
-  unavailable (another OS or file system) it is two renames, old out of the way then new in; a
-  crash between them leaves `target` missing and the old folder as `.<name>.*.old`, which
-  `remove_leftovers` puts back. A failed `fill` leaves `target` as it was.
-  """
-  target = pathlib.Path(target)
-  target.parent.mkdir(parents=True, exist_ok=True)
-  remove_leftovers(target)
-  tmp = pathlib.Path(tempfile.mkdtemp(prefix=temp_prefix(target), suffix=".tmp", dir=target.parent))
-  old = tmp.with_suffix(".old")
-  try:
-    fill(tmp)
-    _fsync_tree(tmp)
-    if not target.exists():
-      os.replace(tmp, target)
-    elif not _exchange(tmp, target):  # now `tmp` holds the old folder
-      os.replace(target, old)
-      os.replace(tmp, target)
-    _fsync_dir(target.parent)
-  finally:
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.rmtree(old, ignore_errors=True)
-  return target
-
-
-def remove_directory(target: str | os.PathLike) -> None:
-  """Removes `target` whole for a reader: renamed away first (one atomic step), then deleted; a
-  crash mid-delete leaves a hidden temp that `remove_leftovers` removes."""
-  target = pathlib.Path(target)
-  if not target.exists():
-    return
-  aside = pathlib.Path(tempfile.mkdtemp(prefix=temp_prefix(target), suffix=".tmp", dir=target.parent))
-  os.replace(target, aside)  # over the fresh empty folder: atomic
-  shutil.rmtree(aside, ignore_errors=True)
-
-
-def temp_prefix(target: pathlib.Path) -> str:
-  return f".{target.name}.{_host()}-{os.getpid()}."
-
-
-def _host() -> str:
-  return socket.gethostname().replace(".", "_")
-
-
-_TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<host>[^.]*)-(?P<pid>\d+)\.[^.]+\.(?P<kind>tmp|old)$")
-
-
-def _alive(host: str, pid: int) -> bool:
-  """Whether process `pid` of `host` may still run (a process of another host: assumed so)."""
-  if host != _host():
-    return True
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
-  return True
-
-
-def remove_leftovers(target: str | os.PathLike) -> list[pathlib.Path]:
-  """Removes what writers of `target` that died mid-write left beside it (temp files and folders
-  named by `atomic_path` / `replace_directory`); a live writer's temps are kept. When `target`
-  is missing and a dead writer's `.old` copy is there (a crash between the two renames of the
-  fallback swap), that copy is put back as `target`. Returns what was removed or restored."""
-  target = pathlib.Path(target)
-  if not target.parent.is_dir():
-    return []
-  done = []
-  for path in sorted(target.parent.iterdir()):
-    match = _TEMP.match(path.name)
-    if not match or match["name"] != target.name or _alive(match["host"], int(match["pid"])):
-      continue
-    if match["kind"] == "old" and not target.exists():
-      os.replace(path, target)
-      log.warning("restored %s from %s (left by a writer that stopped mid-swap)", target, path.name)
-    elif path.is_dir() and not path.is_symlink():
-      shutil.rmtree(path, ignore_errors=True)
-    else:
-      path.unlink(missing_ok=True)
-    done.append(path)
-  return done
-
-
-def _exchange(a: pathlib.Path, b: pathlib.Path) -> bool:
-  """Atomically swaps the names `a` and `b` (both must exist); False where the OS or the file
-  system cannot (the caller falls back to two renames)."""
-  renameat2 = getattr(_libc(), "renameat2", None)
-  if renameat2 is None:
-    return False
-  at_fdcwd, rename_exchange = -100, 2
-  if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-    return True
-  err = ctypes.get_errno()
-  if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
-    return False
-  raise OSError(err, os.strerror(err), str(b))
-
-
-_LIBC = []
-
-
-def _libc():
-  if not _LIBC:
-    try:
-      _LIBC.append(ctypes.CDLL(None, use_errno=True))
-    except OSError:
-      _LIBC.append(None)
-  return _LIBC[0]
-
-
-def _fsync_dir(folder: pathlib.Path) -> None:
-  fd = os.open(folder, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
-
-
-def _fsync_tree(folder: pathlib.Path) -> None:
-  """Every file under `folder` on disk before the swap publishes it (a crash after the swap
-  must not find the new folder's files empty)."""
-  for path in folder.rglob("*"):
-    if path.is_file() and not path.is_symlink():
-      with open(path, "rb") as f:
-        os.fsync(f.fileno())
-  _fsync_dir(folder)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,21 +124,35 @@ ORBAX_TEMP = ".orbax-checkpoint-tmp"  # orbax's name for a step folder before it
 
 
 class RunFiles:
-  """A run directory: metrics.jsonl (appended, one line per record), JSON files, the adapter.
+  """A run directory: metrics.jsonl (appended, one line per record), JSON files, the tuned weights.
 
-  With several processes only process 0 writes (`writer`); orbax checkpoints are every process's.
+  The tuned weights are `adapter/` (a PEFT LoRA adapter) or, for a full fine-tuning run,
+  `model/` (the whole model as a Hugging Face folder): `tuned` names the folder of a mode and
+  `holds_full_model` tells a reader which one a run holds. With several processes only process 0
+  writes (`writer`); orbax checkpoints are every process's.
   """
 
   def __init__(self, output_dir: str | os.PathLike, writer: bool = True):
     self.dir = pathlib.Path(output_dir)
     self.writer = writer
+    self.config = self.dir / "config.json"
+    self.heldout = self.dir / "heldout.json"
     self.metrics = self.dir / "metrics.jsonl"
     self.checkpoints = self.dir / "checkpoints"
     self.adapter = self.dir / "adapter"
+    self.full_model = self.dir / "model"
     self.sinks: list[Callable[[dict], None]] = []  # also fed every logged record (`jaxsft.tracking`)
 
   def holds_a_run(self) -> bool:
     return self.checkpoints.exists() or self.metrics.exists()
+
+  def tuned(self, full: bool) -> pathlib.Path:
+    """The folder of the tuned weights: `model/` for full fine-tuning, else `adapter/`."""
+    return self.full_model if full else self.adapter
+
+  def holds_full_model(self) -> bool:
+    """Whether the run left a full fine-tuned model (`model/config.json`) rather than an adapter."""
+    return (self.full_model / "config.json").is_file()
 
   def lock(self) -> RunLock | None:
     """Takes the run directory's lock (the writer only) and removes what writers that died
@@ -326,9 +161,9 @@ class RunFiles:
       return None
     self._lock = RunLock(self.dir).acquire()
     for path in sorted(self.dir.iterdir()):
-      match = _TEMP.match(path.name)
+      match = io.TEMP_NAME.match(path.name)
       if match:
-        for removed in remove_leftovers(self.dir / match["name"]):
+        for removed in io.remove_leftovers(self.dir / match["name"]):
           log.info("removed %s, left by a writer that stopped mid-write", removed)
     # A checkpoint save killed before orbax's commit (the rename of its temp folder) leaves the
     # temp: never restored (orbax lists committed steps only), removed here.
@@ -344,11 +179,11 @@ class RunFiles:
 
   def write_json(self, name: str, obj) -> None:
     if self.writer:
-      write_json(self.dir / name, obj)
+      io.write_json(self.dir / name, obj)
 
   def write_text(self, name: str, text: str) -> None:
     if self.writer:
-      write_text(self.dir / name, text)
+      io.write_text(self.dir / name, text)
 
   def log(self, record: dict) -> None:
     """Appends one metrics line (a line is written whole or, on a crash, is the last and cut),
@@ -368,7 +203,7 @@ class RunFiles:
     for _, record in _metric_lines(self.metrics):  # a line cut by a crash is dropped here
       if record.get("event") == "config" or (record.get("step", 0) <= last_step and not record.get("end_of_run")):
         kept.append(json.dumps(record))
-    write_text(self.metrics, "".join(line + "\n" for line in kept))
+    io.write_text(self.metrics, "".join(line + "\n" for line in kept))
 
   def save_adapter(self, model, base_model_name_or_path: str) -> None:
     """The PEFT adapter folder, replaced whole (a reader never sees a mix of two steps)."""
@@ -376,7 +211,57 @@ class RunFiles:
       return
     from jaxsft import lora
 
-    replace_directory(self.adapter, lambda tmp: lora.save_adapter(model, tmp, base_model_name_or_path=base_model_name_or_path))
+    io.replace_directory(self.adapter, lambda tmp: lora.save_adapter(model, tmp, base_model_name_or_path=base_model_name_or_path))
+
+  def save_full_model(self, fill: Callable[[pathlib.Path], None]) -> None:
+    """The full fine-tuned model folder, filled by `fill(tmp)` and replaced whole."""
+    if self.writer:
+      io.replace_directory(self.full_model, fill)
+
+  def remove_tuned(self) -> None:
+    """Removes the adapter and the full model folder (the writer only)."""
+    if self.writer:
+      for folder in (self.adapter, self.full_model):
+        io.remove_directory(folder)
+
+
+class RunDirError(JaxsftError):
+  """A folder that is not a finished jaxsft run (no config.json, no adapter or model yet)."""
+
+
+@dataclasses.dataclass
+class RunSource:
+  """What loads a finished run's tuned model: the base `model` with its `adapter` folder (LoRA),
+  or the run's `model/` folder and no adapter (full fine-tuning); the run's dtype and
+  quantization of the base."""
+
+  model: str
+  adapter: str | None
+  dtype: str
+  quantize: str = "none"
+  quant_block_size: int = 64
+
+
+def resolve_run(run_dir: str | os.PathLike) -> RunSource:
+  """The `RunSource` of a finished run; `RunDirError` when `run_dir` is not one."""
+  files = RunFiles(run_dir, writer=False)
+  if not files.config.is_file():
+    raise RunDirError(f"{files.config} is missing: {files.dir} is not a jaxsft run directory")
+  try:
+    cfg = json.loads(files.config.read_text())
+  except json.JSONDecodeError as e:
+    raise RunDirError(f"{files.config}: line {e.lineno}: invalid JSON ({e.msg})") from None
+  model_cfg = cfg.get("model", {})
+  if files.holds_full_model():
+    return RunSource(str(files.full_model), None, model_cfg.get("dtype", "float32"))
+  if not (files.adapter / "adapter_config.json").is_file():
+    raise RunDirError(f"{files.adapter / 'adapter_config.json'} is missing: {files.dir} has no adapter yet "
+                      f"(the run has not saved one; it writes it at checkpoints and at the end)")
+  name = model_cfg.get("name")
+  if not name:
+    raise RunDirError(f"{files.config}: field model.name is missing")
+  return RunSource(name, str(files.adapter), model_cfg.get("dtype", "float32"), model_cfg.get("quantize", "none"),
+                   model_cfg.get("quant_block_size", 64))
 
 
 # ---------------------------------------------------------------------------------------------

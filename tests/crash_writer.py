@@ -3,7 +3,7 @@
     python tests/crash_writer.py KIND FOLDER N [ARGS...]
 
 Every call that publishes or removes something on disk (os.replace, os.rename, the atomic
-exchange of run_files, shutil.rmtree, os.unlink) is counted once the write under test starts; the
+exchange of jaxsft.io, shutil.rmtree, os.unlink) is counted once the write under test starts; the
 N-th ends the process with os._exit(CRASHED) before it happens, as a kill -9 at that moment would
 (nothing after it runs: no finally, no atexit). With N past the last point the write completes and
 the exit status is 0; the test raises N until then, so every point is hit once.
@@ -47,12 +47,12 @@ class CrashAt:
 
 
 def main(kind: str, folder: str, n: str, *args: str) -> int:
-  from jaxsft import run_files
+  from jaxsft import io as jaxsft_io
 
   crash = CrashAt(int(n))
   if os.environ.get("CRASH_WRITER_NO_EXCHANGE"):  # as on a file system without RENAME_EXCHANGE
-    run_files._exchange = lambda a, b: False
-  for owner, name in ((os, "replace"), (os, "rename"), (os, "unlink"), (shutil, "rmtree"), (run_files, "_exchange")):
+    jaxsft_io._exchange = lambda a, b: False
+  for owner, name in ((os, "replace"), (os, "rename"), (os, "unlink"), (shutil, "rmtree"), (jaxsft_io, "_exchange")):
     crash.wrap(owner, name)
   folder = pathlib.Path(folder)
   if kind == "adapter":
@@ -75,14 +75,14 @@ def main(kind: str, folder: str, n: str, *args: str) -> int:
 def write_adapter(run: pathlib.Path, version: str, crash: CrashAt) -> None:
   """RUN/adapter replaced by RunFiles' swap; its files written as lora.save_adapter writes them
   (each atomically), their content tagged with `version` so a reader can tell old from new."""
-  from jaxsft import run_files
+  from jaxsft import io as jaxsft_io
 
   def fill(tmp: pathlib.Path):
-    run_files.write_json(tmp / "adapter_config.json", {"peft_type": "LORA", "version": version})
-    run_files.atomic_write(tmp / "adapter_model.safetensors", lambda f: f.write(version.encode() * 1000), binary=True)
+    jaxsft_io.write_json(tmp / "adapter_config.json", {"peft_type": "LORA", "version": version})
+    jaxsft_io.atomic_write(tmp / "adapter_model.safetensors", lambda f: f.write(version.encode() * 1000), binary=True)
 
   crash.armed = True
-  run_files.replace_directory(run / "adapter", fill)
+  jaxsft_io.replace_directory(run / "adapter", fill)
 
 
 def write_checkpoints(run: pathlib.Path, crash: CrashAt) -> None:

@@ -149,15 +149,16 @@ def test_bad_inputs_exit_2_with_a_clear_line(tiny, tmp_path, tokenizer, run_cli)
 def test_a_full_fine_tuning_run_is_chatted_with_through_its_model_folder(tiny, tmp_path):
   import shutil
 
-  from jaxsft.chat import load, resolve_run
+  from jaxsft.chat import load
+  from jaxsft.run_files import resolve_run
 
   run = tmp_path / "full-run"
   run.mkdir()
   shutil.copy(tiny["run"] / "config.json", run / "config.json")
   shutil.copytree(tiny["model_dir"], run / "model")
   source = resolve_run(str(run))
-  assert source["model"] == str(run / "model") and source["adapter"] is None
-  model, tok = load(source["model"], source["adapter"], "float32")
+  assert source.model == str(run / "model") and source.adapter is None
+  model, tok = load(source.model, source.adapter, "float32")
   messages = [{"role": "user", "content": "Hello there"}]
   base = generate(model, tok, [messages], max_new_tokens=NEW)
   assert base != [reply_to(tiny, messages)]  # the run's own weights, not base + adapter

@@ -24,7 +24,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def error_line(capsys) -> str:
   """The refusal's `error:` line: the only one, the last on stderr (log lines may come before),
   no traceback."""
-  err = capsys.readouterr().err
+  return only_error_line(capsys.readouterr().err)
+
+
+def only_error_line(err: str) -> str:
+  """`error_line` of a command's captured stderr."""
   lines = [line for line in err.splitlines() if line.strip()]
   assert "Traceback" not in err, err[-3000:]
   assert lines and lines[-1].startswith("error: ") and sum(line.startswith("error:") for line in lines) == 1, err[-3000:]
@@ -121,24 +125,27 @@ def bert_dir(tmp_path):
   return folder
 
 
-def test_unsupported_architecture_is_one_error_line_in_every_command(bert_dir, tmp_path, capsys, shared_data):
-  from jaxsft import chat, export, train
-  from jaxsft.data import __main__ as data_main
+@pytest.mark.parametrize("command", ["train", "chat", "export", "data build"])
+def test_unsupported_architecture_is_one_error_line_in_every_command(command, bert_dir, tmp_path, run_cli,
+                                                                     shared_data):
+  """Refused before any weight or tokenizer is read: one `error:` line naming the architecture and
+  the supported ones, exit 2, nothing written."""
+  import importlib
 
   data = next(p for p in sorted(shared_data.iterdir()) if p.suffix in (".jsonl", ".json"))
   out = tmp_path / "out"
-  commands = {
-      "train": lambda: train.main(["--model", str(bert_dir), "--output-dir", str(out), "--max-steps", "1"]),
-      "chat": lambda: chat.main(["--model", str(bert_dir), "--prompt", "hi"]),
-      "export": lambda: export.main(["--model", str(bert_dir), "--out", str(out)]),
-      "data build": lambda: data_main.main(["build", "--data", str(data), "--model", str(bert_dir),
-                                            "--cache-dir", str(tmp_path / "tokens")]),
-  }
-  for name, command in commands.items():
-    assert command() == 2, name
-    line = error_line(capsys)
-    assert "'bert'" in line and "llama" in line and "qwen2" in line, (name, line)  # the supported list
-    assert not out.exists(), name
+  module, argv = {
+      "train": ("jaxsft.train", ["--model", bert_dir, "--output-dir", out, "--max-steps", 1]),
+      "chat": ("jaxsft.chat", ["--model", bert_dir, "--prompt", "hi"]),
+      "export": ("jaxsft.export", ["--model", bert_dir, "--out", out]),
+      "data build": ("jaxsft.data.__main__", ["build", "--data", data, "--model", bert_dir,
+                                              "--cache-dir", tmp_path / "tokens"]),
+  }[command]
+  r = run_cli(importlib.import_module(module).main, argv)
+  assert r.returncode == 2, r.stderr[-3000:]
+  line = only_error_line(r.stderr)
+  assert "'bert'" in line and "llama" in line and "qwen2" in line, line  # the supported list
+  assert not out.exists()
 
 
 def test_unsupported_architecture_prints_no_traceback_from_the_shell(bert_dir, tmp_path):
@@ -356,7 +363,8 @@ def test_a_diverging_run_saves_no_poisoned_checkpoint_and_keeps_the_last_good_on
   throws the weights to ~1e38 (finite, but every later loss is NaN), steps 3-4 are skipped."""
   import numpy as np
 
-  from jaxsft import lora, models, run_files, train
+  from jaxsft import io as jaxsft_io
+  from jaxsft import lora, models, train
 
   out = tmp_path / "run"
   code = train.main(tiny_train_args(tiny_model_dir, out, "--lr", "1e38", "optim.schedule=constant",
@@ -371,7 +379,7 @@ def test_a_diverging_run_saves_no_poisoned_checkpoint_and_keeps_the_last_good_on
   model, _ = models.load_model(str(tiny_model_dir))
   lora.load_adapter(model, out / "adapter")  # rewritten from checkpoint 1: finite, as the weights of step 1
   assert all(np.isfinite(np.asarray(x)).all() for x in lora.adapter_tensors(model).values())
-  assert not any(run_files._TEMP.match(p.name) for p in out.iterdir())
+  assert not any(jaxsft_io.TEMP_NAME.match(p.name) for p in out.iterdir())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,6 +472,7 @@ def hidden(folder: pathlib.Path) -> list[str]:
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "two-renames"])
 def test_killed_adapter_swap_leaves_a_whole_adapter(tmp_path, exchange):
+  from jaxsft import io as jaxsft_io
   from jaxsft import run_files
 
   def version_of(adapter: pathlib.Path) -> str:
@@ -475,9 +484,9 @@ def test_killed_adapter_swap_leaves_a_whole_adapter(tmp_path, exchange):
   env = {} if exchange else {"CRASH_WRITER_NO_EXCHANGE": "1"}
   runs = [tmp_path / f"run{n}" for n in range(12)]
   for run in runs:
-    run_files.replace_directory(run / "adapter", lambda tmp: (
-        run_files.write_json(tmp / "adapter_config.json", {"peft_type": "LORA", "version": "old"}),
-        run_files.atomic_write(tmp / "adapter_model.safetensors", lambda f: f.write(b"old" * 1000), binary=True)))
+    jaxsft_io.replace_directory(run / "adapter", lambda tmp: (
+        jaxsft_io.write_json(tmp / "adapter_config.json", {"peft_type": "LORA", "version": "old"}),
+        jaxsft_io.atomic_write(tmp / "adapter_model.safetensors", lambda f: f.write(b"old" * 1000), binary=True)))
   points, _ = crash_runs("adapter", runs, "new", env=env)
   assert points < len(runs)
   assert version_of(runs[0] / "adapter") == "new"
@@ -524,7 +533,8 @@ def test_killed_checkpoint_save_leaves_the_old_or_the_new_checkpoint_whole(tmp_p
 
 @pytest.mark.slow
 def test_killed_export_leaves_the_old_or_the_new_export_whole(tiny_run, tmp_path):
-  from jaxsft import export, run_files
+  from jaxsft import export
+  from jaxsft import io as jaxsft_io
 
   old = export.export(str(tiny_run["model"]), None, tmp_path / "first")
   old_tree = tree(old)
@@ -539,7 +549,7 @@ def test_killed_export_leaves_the_old_or_the_new_export_whole(tiny_run, tmp_path
   found = set()
   for out in outs[1:points + 1]:
     found.add("new" if tree(out) == new_tree else "old" if tree(out) == old_tree else f"broken {tree(out)}")
-    run_files.remove_leftovers(out)  # as the next export to `out` does first
+    jaxsft_io.remove_leftovers(out)  # as the next export to `out` does first
     assert [name for name in hidden(out.parent) if name.startswith(f".{out.name}.")] == []
   assert found <= {"old", "new"} and "old" in found, found
 

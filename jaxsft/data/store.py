@@ -44,7 +44,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxsft import run_files
+from jaxsft import io
 from jaxsft.data.records import SkipReport
 from jaxsft.data.examples import ExampleSource, LengthOnlyExamples, RecordsWithTokens, TokenizedRecords
 from jaxsft.data.template import PLAIN_CHAT_TEMPLATE, bos_prefix
@@ -393,8 +393,8 @@ def open_or_build(path, tokenizer, *, max_length: int, train_on: str = "all_assi
   if store is not None:
     return StoreResult(store, False, time.perf_counter() - t0)
   root.mkdir(parents=True, exist_ok=True)
-  run_files.remove_leftovers(final)  # the half-built stores of builders that died
-  tmp = pathlib.Path(tempfile.mkdtemp(prefix=run_files.temp_prefix(final), suffix=".tmp", dir=root))
+  io.remove_leftovers(final)  # the half-built stores of builders that died
+  tmp = pathlib.Path(tempfile.mkdtemp(prefix=io.temp_prefix(final), suffix=".tmp", dir=root))
   tmp.chmod(0o755)  # mkdtemp makes it private; a store is as readable as any cache file
   try:
     build_store(tmp, path, tokenizer, max_length=max_length, train_on=train_on, fmt=fmt, field_map=field_map,
@@ -418,7 +418,7 @@ def _try_open(folder: pathlib.Path, *, verify: bool) -> TokenStore | None:
   except StoreError as e:
     logger.warning("token store damaged, rebuilding it: %s", e)
     try:
-      run_files.remove_directory(folder)  # moved aside first: a concurrent reader never sees half a store
+      io.remove_directory(folder)  # moved aside first: a concurrent reader never sees half a store
     except OSError:
       return None  # another process moved it first
     return None

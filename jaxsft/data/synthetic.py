@@ -185,7 +185,7 @@ def task_score(records: Sequence[Mapping[str, Any]], generations: Sequence[str])
 
 def write_jsonl(records: Iterable[Mapping[str, Any]], path: str | os.PathLike) -> pathlib.Path:
   """Write one JSON object per line, atomically (a temp file in the same folder, then rename)."""
-  from jaxsft.run_files import atomic_write
+  from jaxsft.io import atomic_write
 
   def write(f):
     for record in records:

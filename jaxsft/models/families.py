@@ -241,44 +241,20 @@ def from_hf_config(hf_config) -> LlamaConfig:
   cfg = dict(hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict())
   check_architecture(cfg)
   model_type = cfg["model_type"]
-  act = _get(cfg, "hidden_activation", "hidden_act", default="silu")
-  if act not in _SUPPORTED_ACT:
-    raise ValueError(f"unsupported hidden_act {act!r} for {model_type}: jaxsft supports {_SUPPORTED_ACT}")
-  for field in ("final_logit_softcapping", "attn_logit_softcapping"):
-    if cfg.get(field) is not None:
-      raise ValueError(f"unsupported {field}={cfg[field]} for {model_type}")
-  if cfg.get("use_bidirectional_attention"):
-    raise ValueError(f"unsupported use_bidirectional_attention=True for {model_type}")
+  act = _activation(cfg, model_type)
 
   num_layers = int(cfg["num_hidden_layers"])
   num_heads = int(cfg["num_attention_heads"])
   hidden = int(cfg["hidden_size"])
   switches = dict(_FAMILY_SWITCHES[model_type])
-
-  layer_types = _layer_types(cfg, model_type, num_layers)
-  if len(layer_types) != num_layers or set(layer_types) - {FULL, SLIDING}:
-    raise ValueError(f"layer_types of {model_type} must be {num_layers} of {FULL!r}/{SLIDING!r}: {layer_types}")
-  sliding = [t == SLIDING for t in layer_types]
-  window = cfg.get("sliding_window") if any(sliding) else None
-  if window is None:
-    sliding = [False] * num_layers
+  sliding, window = _sliding_layers(cfg, model_type, num_layers)
 
   full_rope = _rope_params(cfg, FULL)
   partial = float(full_rope.get("partial_rotary_factor", 1.0))
   if partial != 1.0 and model_type != "phi3":
     raise ValueError(f"unsupported partial_rotary_factor {partial} for {model_type}")
-  rope_local_theta = None
-  if model_type == "gemma3_text" and any(sliding):
-    local = _rope_params(cfg, SLIDING)
-    if _rope_scaling(local, model_type) is not None:
-      raise ValueError(f"unsupported rope scaling {local['rope_type']!r} on the sliding layers of {model_type}")
-    rope_local_theta = float(local["rope_theta"])
-  layer_rope = None
-  if model_type == "smollm3" and cfg.get("no_rope_layers") is not None:
-    layer_rope = tuple(bool(x) for x in cfg["no_rope_layers"])
-    if len(layer_rope) != num_layers:
-      raise ValueError(f"no_rope_layers has {len(layer_rope)} entries for {num_layers} layers")
-    layer_rope = None if all(layer_rope) else layer_rope
+  rope_local_theta = _local_rope_theta(cfg, model_type, sliding)
+  layer_rope = _layer_rope(cfg, model_type, num_layers)
 
   attention_bias = bool(cfg.get("attention_bias", False))
   fields = dict(qkv_bias=attention_bias, o_bias=attention_bias)
@@ -300,6 +276,52 @@ def from_hf_config(hf_config) -> LlamaConfig:
       bos_token_id=cfg.get("bos_token_id"), eos_token_id=_hashable(cfg.get("eos_token_id")),
       pad_token_id=cfg.get("pad_token_id"), hidden_act=act, partial_rotary_factor=partial,
       rope_local_theta=rope_local_theta, layer_rope=layer_rope, **fields)
+
+
+def _activation(cfg: dict, model_type: str) -> str:
+  """The MLP activation, after refusing the options of the family jaxsft lacks (softcapping,
+  bidirectional attention)."""
+  act = _get(cfg, "hidden_activation", "hidden_act", default="silu")
+  if act not in _SUPPORTED_ACT:
+    raise ValueError(f"unsupported hidden_act {act!r} for {model_type}: jaxsft supports {_SUPPORTED_ACT}")
+  for field in ("final_logit_softcapping", "attn_logit_softcapping"):
+    if cfg.get(field) is not None:
+      raise ValueError(f"unsupported {field}={cfg[field]} for {model_type}")
+  if cfg.get("use_bidirectional_attention"):
+    raise ValueError(f"unsupported use_bidirectional_attention=True for {model_type}")
+  return act
+
+
+def _sliding_layers(cfg: dict, model_type: str, num_layers: int) -> tuple[list[bool], Any]:
+  """(whether each layer slides, the window): no layer slides without a window."""
+  layer_types = _layer_types(cfg, model_type, num_layers)
+  if len(layer_types) != num_layers or set(layer_types) - {FULL, SLIDING}:
+    raise ValueError(f"layer_types of {model_type} must be {num_layers} of {FULL!r}/{SLIDING!r}: {layer_types}")
+  sliding = [t == SLIDING for t in layer_types]
+  window = cfg.get("sliding_window") if any(sliding) else None
+  if window is None:
+    sliding = [False] * num_layers
+  return sliding, window
+
+
+def _local_rope_theta(cfg: dict, model_type: str, sliding: list[bool]) -> float | None:
+  """Gemma 3's RoPE base of its sliding layers (None: other families, or no sliding layer)."""
+  if model_type != "gemma3_text" or not any(sliding):
+    return None
+  local = _rope_params(cfg, SLIDING)
+  if _rope_scaling(local, model_type) is not None:
+    raise ValueError(f"unsupported rope scaling {local['rope_type']!r} on the sliding layers of {model_type}")
+  return float(local["rope_theta"])
+
+
+def _layer_rope(cfg: dict, model_type: str, num_layers: int) -> tuple[bool, ...] | None:
+  """SmolLM3's RoPE switch per layer (None: RoPE in every layer)."""
+  if model_type != "smollm3" or cfg.get("no_rope_layers") is None:
+    return None
+  layer_rope = tuple(bool(x) for x in cfg["no_rope_layers"])
+  if len(layer_rope) != num_layers:
+    raise ValueError(f"no_rope_layers has {len(layer_rope)} entries for {num_layers} layers")
+  return None if all(layer_rope) else layer_rope
 
 
 def to_hf_config(config: LlamaConfig) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import importlib.util
 import os
 import pathlib
 
-from jaxsft import run_files
+from jaxsft import io
 
 SMOLLM2 = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -95,5 +95,5 @@ def load_tokenizer(source: ModelSource | str):
 
   tokenizer = tokenizer_from_gguf(os.path.join(source.path, source.gguf_file))
   # Swapped in whole: a half-written cache is never read (a racing process writes the same files).
-  run_files.replace_directory(cached, lambda tmp: tokenizer.save_pretrained(str(tmp)))
+  io.replace_directory(cached, lambda tmp: tokenizer.save_pretrained(str(tmp)))
   return AutoTokenizer.from_pretrained(str(cached))

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxsft import run_files
+from jaxsft import io
 from jaxsft.errors import ModelError
 from jaxsft.models import decoder, families, hf_weights
 from jaxsft.models.gguf.read import read_gguf
@@ -154,7 +154,7 @@ def load_gguf_cached(source: ModelSource) -> tuple[dict, dict[str, np.ndarray], 
       hf_config.pop("_jaxsft_gguf_stamp")
       return hf_config, load_file(str(weights)), f"{gguf_path} (cached in {folder})"
   hf_config, tensors = read_gguf(gguf_path)
-  with run_files.atomic_path(weights) as tmp:
+  with io.atomic_path(weights) as tmp:
     save_file(tensors, str(tmp))
-  run_files.write_json(config_file, {**hf_config, "_jaxsft_gguf_stamp": stamp})  # last: its stamp marks the cache complete
+  io.write_json(config_file, {**hf_config, "_jaxsft_gguf_stamp": stamp})  # last: its stamp marks the cache complete
   return hf_config, tensors, str(gguf_path)

@@ -31,16 +31,17 @@ from jaxsft.train.checkpoints import Checkpoints, SavedIteratorState
 from jaxsft.train.setup import (Run, account_collation, build_steps, param_paths, probe_step_cost, resolve_peak_flops,
                                 setup, start_or_resume, trainable_filter, warm_up)
 from jaxsft.train.report import ProgressBar, finish, summary_text
-from jaxsft.train.loop import (account_step, all_finite, discard_poisoned_checkpoint, end_of_run, finish_record,
-                               record_validation, run_loop, save_checkpoint, save_full_model, train_step, validate)
+from jaxsft.train.loop import (StepDuties, account_step, all_finite, discard_poisoned_checkpoint, end_of_run,
+                               finish_record, record_validation, run_loop, save_checkpoint, save_full_model, save_tuned,
+                               train_step, validate, validate_base)
 from jaxsft.train.recipe import RunResult, main, train, train_and_finish
 from jaxsft.train.data_plan import _load_file  # noqa: F401  (tests read a file through it)
 
 __all__ = [
     "Checkpoints", "DataPlan", "DevicePrefetch", "ProgressBar", "Run", "RunResult", "RunState", "SavedIteratorState",
-    "TrainingError", "account_collation", "account_step", "all_finite", "build_steps", "discard_poisoned_checkpoint",
-    "end_of_run", "finish", "finish_record", "load_data", "main", "param_paths", "plan_data", "probe_step_cost",
-    "record_validation", "resolve_peak_flops", "run_loop", "save_checkpoint", "save_full_model", "setup",
-    "start_or_resume", "summary_text", "train", "train_and_finish", "train_step", "trainable_filter", "validate",
-    "warm_up",
+    "StepDuties", "TrainingError", "account_collation", "account_step", "all_finite", "build_steps",
+    "discard_poisoned_checkpoint", "end_of_run", "finish", "finish_record", "load_data", "main", "param_paths",
+    "plan_data", "probe_step_cost", "record_validation", "resolve_peak_flops", "run_loop", "save_checkpoint",
+    "save_full_model", "save_tuned", "setup", "start_or_resume", "summary_text", "train", "train_and_finish",
+    "train_step", "trainable_filter", "validate", "validate_base", "warm_up",
 ]

@@ -1,10 +1,12 @@
 """The training loop, step 1 to the end: `run_loop` dispatches each optimizer step (`train_step`),
-finishes its record one step late (`finish_record`, `account_step`), validates
-(`record_validation`) and saves checkpoints with the adapter or full model (`save_checkpoint`)
-when due; `end_of_run` adds the last validation, epoch line and checkpoint."""
+finishes its record one step late (`finish_record`, `account_step`) or at once when the step has
+duties (`StepDuties`), validates (`record_validation`) and saves checkpoints with the adapter or
+full model (`save_checkpoint`) when due; `end_of_run` adds the last validation, epoch line and
+checkpoint."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -15,14 +17,14 @@ from flax import nnx
 
 from jaxsft import flops as flops_lib
 from jaxsft import models
-from jaxsft import run_files
 from jaxsft import sharding as sharding_lib
 from jaxsft import step as step_lib
 from jaxsft.train.prefetch import DevicePrefetch
 from jaxsft.train.report import ProgressBar
 from jaxsft.train.state import RunState, TrainingError
 
-if TYPE_CHECKING:  # an annotation only: setup and the loop are peers that the recipe joins
+if TYPE_CHECKING:  # annotations only: setup and the loop are peers that the recipe joins
+  from jaxsft.config import TrainConfig
   from jaxsft.train.setup import Run
 
 log = logging.getLogger("jaxsft.train")
@@ -175,11 +177,7 @@ def save_checkpoint(run: Run, state: RunState) -> bool:
     return False
   run.checkpoints.save(state)
   run.last_saved_step = state.step
-  model = nnx.merge(run.graphdef, state.lora, run.frozen)
-  if run.cfg.mode == "full":
-    save_full_model(run, model)
-  else:
-    run.files.save_adapter(model, run.cfg.model.name)
+  save_tuned(run, nnx.merge(run.graphdef, state.lora, run.frozen))
   return True
 
 
@@ -198,29 +196,61 @@ def discard_poisoned_checkpoint(run: Run, state: RunState, first_bad_step: int) 
   checkpoints.manager.delete(newest)
   good = checkpoints.manager.latest_step()
   if good is None:
-    if run.files.writer:
-      for name in ("adapter", "model"):
-        run_files.remove_directory(run.files.dir / name)
+    run.files.remove_tuned()
     return None
   restored = checkpoints._restore(good, state, lambda data_state: None)
-  model = nnx.merge(run.graphdef, restored.lora, run.frozen)
+  save_tuned(run, nnx.merge(run.graphdef, restored.lora, run.frozen))
+  return good
+
+
+def save_tuned(run: Run, model) -> None:
+  """The tuned weights where `RunFiles.tuned` puts them for the run's mode: the full model or
+  the adapter."""
   if run.cfg.mode == "full":
     save_full_model(run, model)
   else:
     run.files.save_adapter(model, run.cfg.model.name)
-  return good
 
 
 def save_full_model(run: Run, model) -> None:
   """mode=full: the whole tuned model as a Hugging Face folder (RUN_DIR/model), swapped in whole."""
   if not run.files.writer:
     return
-  from jaxsft import export, run_files
+  from jaxsft import export
 
   tensors = {k: np.asarray(v) for k, v in models.to_hf_state_dict(model).items()}
   dtype = str(np.dtype(next(iter(tensors.values())).dtype))
-  run_files.replace_directory(run.files.dir / "model", lambda tmp: export.write_hf(
+  run.files.save_full_model(lambda tmp: export.write_hf(
       tmp, model.config, tensors, run.tokenizer, "bfloat16" if dtype == "bfloat16" else "float32"))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepDuties:
+  """What a dispatched step does besides its update: validate (every `eval.eval_every` steps and
+  at the last step) and save a checkpoint (every `save_every` steps before the last; the last
+  one is `end_of_run`'s)."""
+
+  validate: bool
+  save: bool
+
+  @classmethod
+  def at(cls, cfg: TrainConfig, step: int, total_steps: int) -> "StepDuties":
+    last = step == total_steps
+    return cls(validate=bool(cfg.eval.eval_every and step % cfg.eval.eval_every == 0) or last,
+               save=bool(cfg.save_every and step % cfg.save_every == 0) and not last)
+
+  @property
+  def read_now(self) -> bool:
+    """The step's metrics are read at once, not one step late: its params are read next."""
+    return self.validate or self.save
+
+
+def validate_base(run: Run, state: RunState) -> None:
+  """The base model's held-out loss (step 0): the point every later validation is compared with."""
+  record = {"step": 0}
+  record_validation(run, state, record)
+  run.files.log(record)
+  log.info("validation loss before training: %.4f", state.val_loss)
 
 
 def run_loop(run: Run, state: RunState, batches: DevicePrefetch) -> bool:
@@ -228,16 +258,12 @@ def run_loop(run: Run, state: RunState, batches: DevicePrefetch) -> bool:
 
   A step's metrics are read one step late: step N's record is finished (logged, non-finite
   streak and epoch sums updated) after step N + 1 is dispatched, so the device never waits for
-  the host. A step that validates, saves a checkpoint or ends the run is finished at once,
-  before anything reads the params it produced.
+  the host. A step that validates, saves a checkpoint or ends the run (`StepDuties.read_now`) is
+  finished at once, before anything reads the params it produced.
   """
   cfg = run.cfg
   if state.step == 0 and run.data.val_records and cfg.eval.eval_every:
-    # The base model's held-out loss: the point every later validation is compared with.
-    record = {"step": 0}
-    record_validation(run, state, record)
-    run.files.log(record)
-    log.info("validation loss before training: %.4f", state.val_loss)
+    validate_base(run, state)
   progress = ProgressBar(run.total_steps, state.step, cfg.progress)
   warned_recompiles = 0
   last_done = time.time()
@@ -263,21 +289,20 @@ def run_loop(run: Run, state: RunState, batches: DevicePrefetch) -> bool:
       if record is None:
         log.warning("the data ran out after %d of %d planned steps", state.step, run.total_steps)
         break
-      evaluate_now = (cfg.eval.eval_every and state.step % cfg.eval.eval_every == 0) or state.step == run.total_steps
-      save_now = cfg.save_every and state.step % cfg.save_every == 0 and state.step < run.total_steps
-      if not (evaluate_now or save_now or state.step == run.total_steps):
+      due = StepDuties.at(cfg, state.step, run.total_steps)
+      if not due.read_now:
         pending = record
         continue
       complete(record)
-      if evaluate_now:
+      if due.validate:
         record_validation(run, state, record)
       run.files.log(record)
       progress.update(record)
-      if save_now:
+      if due.save:
         save_checkpoint(run, state)
       last_done = time.time()  # validation and checkpoint time is no step's time
       patience = cfg.eval.early_stopping_patience
-      if evaluate_now and patience and state.bad_evals >= patience:
+      if due.validate and patience and state.bad_evals >= patience:
         log.info("early stopping at step %d: no better validation loss in %d evaluations", state.step, patience)
         return True
     return False

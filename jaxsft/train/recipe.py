@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+import os
+import sys
+from typing import Any, NoReturn
 
 import jax
 from flax import nnx
@@ -87,3 +89,15 @@ def main(argv: list[str] | None = None) -> int:
     train(cfg)
 
   return errors.run_cli(run)
+
+
+def exit_after_run(code: int) -> NoReturn:
+  """Ends the process of a training command line with `code`."""
+  if code:
+    # A failed run has reported why and closed what it writes; what may be left are the failed
+    # writer threads of orbax and tensorstore (a full disk), and tearing the interpreter down
+    # beneath them can abort after the error line ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+  sys.exit(code)

@@ -59,7 +59,7 @@ def finish(run: Run, result: RunResult, model) -> None:
   files.write_json("summary.json", summary)
   for tag, text in tracking.run_report_markdown(result.diagnosis.report(), result.evaluation).items():
     run.trackers.text(tag, text, result.steps)
-  run.trackers.log_adapter(files.dir / "model" if cfg.mode == "full" else files.adapter, f"{files.dir.name}-{cfg.mode}")
+  run.trackers.log_adapter(files.tuned(cfg.mode == "full"), f"{files.dir.name}-{cfg.mode}")
   # The results on stdout (logs and the progress bar are on stderr): `... > result.txt` keeps them.
   if cfg.logging.json:
     print(json.dumps(summary, default=str), flush=True)
@@ -81,8 +81,9 @@ def summary_text(files: RunFiles, summary: dict, result: RunResult) -> str:
     mfu = f", MFU {100 * summary['mfu']:.1f}%" if "mfu" in summary else ""
     lines.append(f"throughput: {summary['flops_per_s'] / 1e9:.1f} GFLOP/s (model FLOPs){mfu}")
   lines.append(result.diagnosis.report())
-  tuned = files.dir / "model" if (files.dir / "model").is_dir() else files.adapter
-  kind = "tuned model (HF format)" if tuned != files.adapter else "adapter (PEFT format)"
+  full = files.holds_full_model()
+  tuned = files.tuned(full)
+  kind = "tuned model (HF format)" if full else "adapter (PEFT format)"
   lines.append(f"{kind}: {tuned}   curve: {files.dir / 'loss_curve.png'}   wall time {summary['seconds']}s")
   lines.append(f"chat with it:  python -m jaxsft.chat {files.dir}\n"
                f"export it:     python -m jaxsft.export {files.dir} --out {files.dir}-hf  (--format gguf for llama.cpp)")
