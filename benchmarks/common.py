@@ -314,8 +314,8 @@ class JaxsftStep:
     self.lora = self.mesh.replicate(lora)
     self.frozen = self.mesh.shard_frozen(frozen)
     self.opt_state = jax.jit(tx.init, out_shardings=self.mesh.replicated)(self.lora)
-    self.steps = step_lib.CompiledSteps(step_lib.make_step_functions(graphdef, cfg, tx, schedule), self.lora,
-                                        self.opt_state, self.frozen, self.mesh)
+    self.steps = step_lib.CompiledSteps(step_lib.make_step_functions(graphdef, cfg), self.lora,
+                                        self.opt_state, self.frozen, self.mesh, schedule)
     self.counter = step_lib.compile_counter()
     self.index = 0
     self.packed_keys = ("input_ids", "attention_mask", "labels", "segment_ids", "positions")

@@ -151,8 +151,8 @@ def plan8b(batch: int = 1, length: int = 256) -> dict:
   schedule = step_lib.make_schedule(cfg.optim, 10_000)
   tx = step_lib.make_optimizer(cfg.optim, schedule)
   opt_state = jax.jit(tx.init)(lora)
-  steps = step_lib.CompiledSteps(step_lib.make_step_functions(graphdef, cfg, tx, schedule), lora, opt_state, frozen,
-                                 sharding.make_mesh_context(cfg.mesh))
+  steps = step_lib.CompiledSteps(step_lib.make_step_functions(graphdef, cfg), lora, opt_state, frozen,
+                                 sharding.make_mesh_context(cfg.mesh), schedule)
   t0 = time.perf_counter()
   steps.warm_up([(batch, length)], ("input_ids", "attention_mask", "labels"), with_eval=False, fused=True)
   compile_s = time.perf_counter() - t0

@@ -1,11 +1,11 @@
 """One optimizer step as pure functions, their ahead-of-time compilation, and compile counting.
 
-    accumulate (per micro-batch):  Σ∇nll, Σ nll, Σ valid  +=  value_and_grad(nll_sum)(lora)
+    accumulate (per micro-batch):  Σ∇nll, Σ nll, Σ valid  +=  value_and_grad(nll_sum)(trainable)
     apply      (once per step):    g = Σ∇nll / Σ valid  →  clip_by_global_norm  →  AdamW
     train_step (grad_accum = 1):   apply(accumulate(zeros, batch)) as ONE executable
 
-`lora` is "the trainable params": whatever the caller split off the model with a filter (the
-LoRA factors, or every param for full fine-tuning); everything else is `frozen`, an input.
+`trainable` is whatever the caller split off the model with a filter (the LoRA factors, or every
+param for full fine-tuning); everything else is `frozen`, an input.
 The loss only runs the LM head where a label is trained (`loss.trained_cross_entropy_sum`).
 
 The step's loss is Σ token NLL / Σ valid tokens over all its micro-batches (and all devices: the
@@ -72,21 +72,54 @@ def compile_counter() -> CompileCounter:
 # Schedule and optimizer.
 
 
-def make_schedule(o: config_lib.OptimConfig, total_steps: int) -> optax.Schedule:
-  """Linear warmup from 0 to `lr`, then cosine or linear decay to 0, or constant."""
+class Schedule(NamedTuple):
+  """The learning-rate schedule's numbers: linear warmup from 0 to `peak` over `warmup` updates,
+  then `OptimConfig.schedule`'s shape over `decay` updates (cosine or linear to 0, or constant).
+
+  The numbers are float32 arrays that the step takes as inputs, not constants compiled into it:
+  a run with another learning rate, warmup or length runs the same executable (a persistent
+  compilation cache hit, no compile). The shape is code, so it stays part of the compiled step.
+  """
+
+  peak: jax.Array
+  warmup: jax.Array
+  decay: jax.Array
+
+  def at(self, count: jax.Array, shape: str) -> jax.Array:
+    r"""The rate of update `count` (0-based), as optax's schedules give it for the same numbers:
+
+        warmup:  peak · count / warmup                                     count < warmup
+        cosine:  peak · ½ (1 + cos(π · min(count − warmup, decay) / decay))
+        linear:  peak · (1 − min(count − warmup, decay) / decay)
+        constant: peak
+    """
+    count = jnp.asarray(count, jnp.float32)
+    t = jnp.minimum(jnp.maximum(count - self.warmup, 0.0), self.decay) / self.decay
+    if shape == "cosine":
+      after = self.peak * (0.5 * (1 + jnp.cos(jnp.pi * t)))
+    elif shape == "linear":
+      after = self.peak * (1 - t)
+    else:
+      after = self.peak * jnp.ones_like(t)
+    warming = self.peak * (count / jnp.maximum(self.warmup, 1.0))
+    return jnp.where(count < self.warmup, warming, after)
+
+
+def make_schedule(o: config_lib.OptimConfig, total_steps: int) -> Schedule:
+  """The schedule of a run of `total_steps` updates: warmup (`warmup_steps`, else `warmup_ratio`
+  of the run, at most all but one update) then decay over the rest."""
   warmup = o.warmup_steps if o.warmup_steps is not None else int(math.ceil(o.warmup_ratio * total_steps))
   warmup = min(warmup, max(total_steps - 1, 0))
   decay_steps = max(total_steps - warmup, 1)
-  if o.schedule == "cosine":
-    return optax.warmup_cosine_decay_schedule(0.0, o.lr, warmup, warmup + decay_steps, end_value=0.0)
-  after = optax.linear_schedule(o.lr, 0.0, decay_steps) if o.schedule == "linear" else optax.constant_schedule(o.lr)
-  if warmup == 0:
-    return after
-  return optax.join_schedules([optax.linear_schedule(0.0, o.lr, warmup), after], [warmup])
+  return Schedule(*(np.float32(x) for x in (o.lr, warmup, decay_steps)))
 
 
-def make_optimizer(o: config_lib.OptimConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
-  """clip_by_global_norm → AdamW; an update with a non-finite gradient is skipped.
+def make_optimizer(o: config_lib.OptimConfig, schedule: Schedule) -> optax.GradientTransformation:
+  """clip_by_global_norm → AdamW at `schedule`'s rate; an update with a non-finite gradient is skipped.
+
+  Its state's structure does not depend on the schedule's numbers: the state one schedule's
+  optimizer makes serves another's (`make_step_functions` builds the optimizer inside the step
+  from the numbers it is given).
 
   `apply_if_finite` gives up (applies) only after 10⁹ bad steps: the loop stops the run first,
   after `max_nonfinite_steps` in a row. A skipped update leaves AdamW's state, and so its
@@ -94,7 +127,8 @@ def make_optimizer(o: config_lib.OptimConfig, schedule: optax.Schedule) -> optax
   """
   tx = optax.chain(
       optax.clip_by_global_norm(o.max_grad_norm),
-      optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay),
+      optax.adamw(lambda count: schedule.at(count, o.schedule), b1=o.b1, b2=o.b2, eps=o.eps,
+                  weight_decay=o.weight_decay),
   )
   return optax.apply_if_finite(tx, max_consecutive_errors=10**9)
 
@@ -114,13 +148,14 @@ def updates_applied(opt_state) -> jax.Array:
 
 
 class StepFunctions(NamedTuple):
-  """Pure functions of (LoRA params, frozen params, ...); `CompiledSteps` jits them.
+  """Pure functions of (trainable params, frozen params, ...); `CompiledSteps` jits them.
 
-  zeros(lora) -> acc:                              an empty accumulator
-  accumulate(acc, lora, frozen, batch, micro) -> acc: adds one micro-batch's Σ∇nll, Σ nll, Σ valid
-  apply(lora, opt_state, acc) -> (lora, opt_state, out): the update from the step's global sums;
+  zeros(trainable) -> acc:                              an empty accumulator
+  accumulate(acc, trainable, frozen, batch, micro) -> acc: adds one micro-batch's Σ∇nll, Σ nll, Σ valid
+  apply(trainable, opt_state, acc, schedule) -> (trainable, opt_state, out): the update from the
+      step's global sums at `schedule`'s rate (a `Schedule` of arrays: an input, not a constant);
       out: loss, nll, n_valid, grad_norm, finite, lr (the rate this update used)
-  evaluate(lora, frozen, batch) -> (Σ nll, Σ valid): validation with the same normalization
+  evaluate(trainable, frozen, batch) -> (Σ nll, Σ valid): validation with the same normalization
   """
 
   zeros: Callable
@@ -135,40 +170,40 @@ def loss_chunk_size() -> int:
   return 256 if jax.default_backend() == "cpu" else 1024
 
 
-def make_step_functions(graphdef, cfg: config_lib.TrainConfig, tx: optax.GradientTransformation,
-                        schedule: optax.Schedule) -> StepFunctions:
+def make_step_functions(graphdef, cfg: config_lib.TrainConfig) -> StepFunctions:
   dropout = cfg.lora.dropout > 0
   base_key = jax.random.key(cfg.seed)
 
-  def nll_sum(lora, frozen, batch, rng):
-    model = nnx.merge(graphdef, lora, frozen)
+  def nll_sum(trainable, frozen, batch, rng):
+    model = nnx.merge(graphdef, trainable, frozen)
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
     hidden = model.hidden_states(**inputs, dropout_rng=rng)
     # The LM head only at trained positions, in chunks, each chunk's gradient beside its loss.
     return loss_lib.trained_cross_entropy_sum(hidden, model.output_embedding(), batch["labels"],
                                               chunk_size=loss_chunk_size())
 
-  def zeros(lora):
-    return {"grads": jax.tree.map(jnp.zeros_like, lora), "nll": jnp.zeros((), jnp.float32),
+  def zeros(trainable):
+    return {"grads": jax.tree.map(jnp.zeros_like, trainable), "nll": jnp.zeros((), jnp.float32),
             "n_valid": jnp.zeros((), jnp.int32)}
 
-  def accumulate(acc, lora, frozen, batch, micro_index):
+  def accumulate(acc, trainable, frozen, batch, micro_index):
     rng = jax.random.fold_in(base_key, micro_index) if dropout else None
-    (nll, n_valid), grads = jax.value_and_grad(nll_sum, has_aux=True)(lora, frozen, batch, rng)
+    (nll, n_valid), grads = jax.value_and_grad(nll_sum, has_aux=True)(trainable, frozen, batch, rng)
     return {"grads": jax.tree.map(jnp.add, acc["grads"], grads), "nll": acc["nll"] + nll,
             "n_valid": acc["n_valid"] + n_valid}
 
-  def apply(lora, opt_state, acc):
+  def apply(trainable, opt_state, acc, schedule: Schedule):
     loss, grads = loss_lib.normalize_by_valid((acc["nll"], acc["grads"]), acc["n_valid"])
-    lr = schedule(updates_applied(opt_state))  # read before the update: the rate it uses
-    updates, opt_state = tx.update(grads, opt_state, lora)
-    lora = optax.apply_updates(lora, updates)
+    tx = make_optimizer(cfg.optim, schedule)
+    lr = schedule.at(updates_applied(opt_state), cfg.optim.schedule)  # read before the update: the rate it uses
+    updates, opt_state = tx.update(grads, opt_state, trainable)
+    trainable = optax.apply_updates(trainable, updates)
     finite = opt_state.last_finite & jnp.isfinite(loss)
-    return lora, opt_state, {"loss": loss, "nll": acc["nll"], "n_valid": acc["n_valid"],
+    return trainable, opt_state, {"loss": loss, "nll": acc["nll"], "n_valid": acc["n_valid"],
                              "grad_norm": optax.tree.norm(grads), "finite": finite, "lr": lr}
 
-  def evaluate(lora, frozen, batch):
-    return nll_sum(lora, frozen, batch, None)
+  def evaluate(trainable, frozen, batch):
+    return nll_sum(trainable, frozen, batch, None)
 
   return StepFunctions(zeros=zeros, accumulate=accumulate, apply=apply, evaluate=evaluate)
 
@@ -181,22 +216,24 @@ class CompiledSteps:
   """`StepFunctions` compiled ahead of time, once per batch shape.
 
   `train_step` (one micro-batch per optimizer step) is zeros → accumulate → apply fused into one
-  executable, the LoRA params and optimizer state donated. With accumulation the micro-batches
+  executable, the trainable params and optimizer state donated. With accumulation the micro-batches
   chain `accumulate` calls on the device (the accumulator donated) and `apply` finishes the
   step; no call waits for the device. A call with a shape that was not warmed up falls back to
   `jax.jit` (and is recorded in `unexpected_shapes`); `recompiles` counts the XLA compiles that
   happened inside step calls.
   """
 
-  def __init__(self, fns: StepFunctions, lora, opt_state, frozen, mesh: sharding_lib.MeshContext):
+  def __init__(self, fns: StepFunctions, trainable, opt_state, frozen, mesh: sharding_lib.MeshContext,
+               schedule: Schedule):
     self.mesh = mesh
-    # Every output (LoRA params, optimizer state, sums, metrics) is replicated over the mesh;
+    # Every output (trainable params, optimizer state, sums, metrics) is replicated over the mesh;
     # without out_shardings, constant outputs (zeros, counters) would land on one device and
     # clash with the mesh-wide inputs of the next call.
     rep = mesh.replicated
 
-    def train_step(lora, opt_state, frozen, batch, micro_index):
-      return fns.apply(lora, opt_state, fns.accumulate(fns.zeros(lora), lora, frozen, batch, micro_index))
+    def train_step(trainable, opt_state, frozen, batch, micro_index, schedule):
+      return fns.apply(trainable, opt_state, fns.accumulate(fns.zeros(trainable), trainable, frozen, batch, micro_index),
+                       schedule)
 
     self._jit = {
         "zeros": jax.jit(fns.zeros, out_shardings=rep),
@@ -206,7 +243,8 @@ class CompiledSteps:
         "evaluate": jax.jit(fns.evaluate, out_shardings=rep),
     }
     self._compiled: dict[Any, Any] = {}
-    self._lora, self._opt_state, self._frozen = lora, opt_state, frozen
+    self._trainable, self._opt_state, self._frozen = trainable, opt_state, frozen
+    self.schedule = mesh.replicate(schedule)  # an input of every update: see `Schedule`
     self.unexpected_shapes: list[tuple] = []
     self.compile_seconds: dict[tuple[int, int], float] = {}  # per shape, train (and eval) compiles together
     self._warm_keys: dict[tuple[int, int], tuple] = {}  # per shape, what warm_up compiled it for
@@ -226,9 +264,9 @@ class CompiledSteps:
     micro = jax.ShapeDtypeStruct((), jnp.int32)
     if not fused:
       acc = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                         self._jit["zeros"](self._lora))
-      self._compiled["zeros"] = self._jit["zeros"].lower(self._lora).compile()
-      self._compiled["apply"] = self._jit["apply"].lower(self._lora, self._opt_state, acc).compile()
+                         self._jit["zeros"](self._trainable))
+      self._compiled["zeros"] = self._jit["zeros"].lower(self._trainable).compile()
+      self._compiled["apply"] = self._jit["apply"].lower(self._trainable, self._opt_state, acc, self.schedule).compile()
     for shape in shapes:
       if self._warm_keys.get(tuple(shape)) == (tuple(keys), fused, with_eval):
         continue  # compiled by an earlier call (a probe of the step's cost)
@@ -236,12 +274,12 @@ class CompiledSteps:
       spec = self._spec(shape, keys)
       if fused:
         self._compiled[("train_step", shape)] = self._jit["train_step"].lower(
-            self._lora, self._opt_state, self._frozen, spec, micro).compile()
+            self._trainable, self._opt_state, self._frozen, spec, micro, self.schedule).compile()
       else:
         self._compiled[("accumulate", shape)] = self._jit["accumulate"].lower(
-            acc, self._lora, self._frozen, spec, micro).compile()
+            acc, self._trainable, self._frozen, spec, micro).compile()
       if with_eval:
-        self._compiled[("evaluate", shape)] = self._jit["evaluate"].lower(self._lora, self._frozen, spec).compile()
+        self._compiled[("evaluate", shape)] = self._jit["evaluate"].lower(self._trainable, self._frozen, spec).compile()
       self.compile_seconds[tuple(shape)] = time.perf_counter() - t0
       self._warm_keys[tuple(shape)] = (tuple(keys), fused, with_eval)
 
@@ -262,21 +300,25 @@ class CompiledSteps:
     copy = lambda x: jax.device_put(x, may_alias=False)  # noqa: E731  a copy, no compile
     times = []
     for _ in range(calls):
-      lora = jax.tree.map(copy, self._lora)
+      trainable = jax.tree.map(copy, self._trainable)
       if fused:
         opt_state = jax.tree.map(copy, self._opt_state)
-        jax.block_until_ready((lora, opt_state, batch))
+        jax.block_until_ready((trainable, opt_state, batch))
         t0 = time.perf_counter()
-        jax.block_until_ready(self._compiled[("train_step", tuple(shape))](lora, opt_state, self._frozen, batch,
-                                                                           np.int32(0)))
+        jax.block_until_ready(self._compiled[("train_step", tuple(shape))](trainable, opt_state, self._frozen, batch,
+                                                                           np.int32(0), self.schedule))
       else:
-        acc = self._compiled["zeros"](lora)
+        acc = self._compiled["zeros"](trainable)
         jax.block_until_ready((acc, batch))
         t0 = time.perf_counter()
-        jax.block_until_ready(self._compiled[("accumulate", tuple(shape))](acc, lora, self._frozen, batch, np.int32(0)))
+        jax.block_until_ready(self._compiled[("accumulate", tuple(shape))](acc, trainable, self._frozen, batch, np.int32(0)))
       times.append(time.perf_counter() - t0)
     (self.trained_step_seconds if trained else self.step_seconds)[tuple(shape)] = min(times)
     return min(times)
+
+  def use_schedule(self, schedule: Schedule) -> None:
+    """Later updates follow `schedule` (the executables are unchanged: it is an input of them)."""
+    self.schedule = self.mesh.replicate(schedule)
 
   def compiled(self, name: str, shape: tuple[int, int] | None = None):
     """The AOT-compiled executable (`.as_text()`, `.cost_analysis()`), after `warm_up`."""
@@ -292,18 +334,19 @@ class CompiledSteps:
     self.recompiles += self._counter.count - before
     return out
 
-  def zeros(self, lora):
-    return self._call("zeros", lora)
+  def zeros(self, trainable):
+    return self._call("zeros", trainable)
 
-  def accumulate(self, acc, lora, frozen, batch, micro_index):
-    return self._call(("accumulate", batch["input_ids"].shape), acc, lora, frozen, batch, micro_index)
+  def accumulate(self, acc, trainable, frozen, batch, micro_index):
+    return self._call(("accumulate", batch["input_ids"].shape), acc, trainable, frozen, batch, micro_index)
 
-  def apply(self, lora, opt_state, acc):
-    return self._call("apply", lora, opt_state, acc)
+  def apply(self, trainable, opt_state, acc):
+    return self._call("apply", trainable, opt_state, acc, self.schedule)
 
-  def train_step(self, lora, opt_state, frozen, batch, micro_index):
-    """(lora, opt_state, out) after one optimizer step on one micro-batch: one dispatch."""
-    return self._call(("train_step", batch["input_ids"].shape), lora, opt_state, frozen, batch, micro_index)
+  def train_step(self, trainable, opt_state, frozen, batch, micro_index):
+    """(trainable, opt_state, out) after one optimizer step on one micro-batch: one dispatch."""
+    return self._call(("train_step", batch["input_ids"].shape), trainable, opt_state, frozen, batch, micro_index,
+                      self.schedule)
 
-  def evaluate(self, lora, frozen, batch):
-    return self._call(("evaluate", batch["input_ids"].shape), lora, frozen, batch)
+  def evaluate(self, trainable, frozen, batch):
+    return self._call(("evaluate", batch["input_ids"].shape), trainable, frozen, batch)

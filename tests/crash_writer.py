@@ -94,7 +94,7 @@ def write_checkpoints(run: pathlib.Path, crash: CrashAt) -> None:
 
   checkpoints = train.Checkpoints(run_files.RunFiles(run), keep=2)
   for step in (1, 2):
-    state = train.RunState(lora={"a": jnp.full((4, 3), float(step))}, opt_state={"m": jnp.full((3,), -float(step))},
+    state = train.RunState(trainable={"a": jnp.full((4, 3), float(step))}, opt_state={"m": jnp.full((3,), -float(step))},
                            step=step, data_state={"position": step}, epoch_nll=float(step))
     crash.armed = step == 2
     checkpoints.save(state)

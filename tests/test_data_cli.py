@@ -137,7 +137,7 @@ def test_the_trainer_skips_a_record_the_template_cannot_label(note_model, tmp_pa
   cfg = config_lib.TrainConfig()
   cfg.model.name = str(tok)
   cfg.data.on_error, cfg.data.cache, cfg.data.cache_dir = "skip", cache, str(tmp_path / "cache")
-  records = train._load_file(str(data), cfg)
+  records = train.load_file(str(data), cfg)
   assert [r["messages"][-1]["content"] for r in records] == ["b", "c"]  # line 3 (no completion), line 5 (zzz) left out
 
 

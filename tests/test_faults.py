@@ -4,6 +4,7 @@ directory has one writer; export never deletes its own source; a diverging run k
 good checkpoint."""
 
 import contextlib
+import dataclasses
 import errno
 import json
 import logging
@@ -515,7 +516,7 @@ def test_killed_checkpoint_save_leaves_the_old_or_the_new_checkpoint_whole(tmp_p
     files = run_files.RunFiles(run)
     files.lock()  # the next start of the trainer
     files.unlock()
-    template = train.RunState(lora={"a": jnp.zeros((4, 3))}, opt_state={"m": jnp.zeros((3,))})
+    template = train.RunState(trainable={"a": jnp.zeros((4, 3))}, opt_state={"m": jnp.zeros((3,))})
     checkpoints = train.Checkpoints(files, keep=2)
     try:
       state = checkpoints.restore_newest(template, lambda data_state: None)
@@ -523,12 +524,41 @@ def test_killed_checkpoint_save_leaves_the_old_or_the_new_checkpoint_whole(tmp_p
       checkpoints.close()
     step = state.step
     assert step in (1, 2)
-    assert float(state.lora["a"].min()) == float(state.lora["a"].max()) == step  # whole, of one step
+    assert float(state.trainable["a"].min()) == float(state.trainable["a"].max()) == step  # whole, of one step
     assert float(state.opt_state["m"][0]) == -step and state.data_state == {"position": step}
     assert state.epoch_nll == step
     restored.add(step)
     assert not [p.name for p in (run / "checkpoints").iterdir() if "tmp" in p.name]  # the restart cleaned up
   assert restored == {1, 2}
+
+
+def test_a_checkpoint_that_names_its_params_lora_still_resumes(tmp_path):
+  """Checkpoints written before the trainable params were named `trainable` (full fine-tuning
+  included) saved them under "lora"; a resume reads either."""
+  import grain
+  import jax.numpy as jnp
+  import orbax.checkpoint as ocp
+
+  from jaxsft import run_files, train
+
+  files = run_files.RunFiles(tmp_path / "run")
+  checkpoints = train.Checkpoints(files, keep=2)
+  try:
+    checkpoints.manager.save(3, args=ocp.args.Composite(
+        state=ocp.args.StandardSave({"lora": {"a": jnp.full((4, 3), 3.0)}, "opt_state": {"m": jnp.full((3,), -3.0)}}),
+        data_iter=grain.checkpoint.CheckpointSave(train.SavedIteratorState({"position": 3})),
+        meta=ocp.args.JsonSave({"epoch_nll": 3.0})))
+    checkpoints.manager.wait_until_finished()
+    template = train.RunState(trainable={"a": jnp.zeros((4, 3))}, opt_state={"m": jnp.zeros((3,))})
+    state = checkpoints.restore_newest(template, lambda data_state: None)
+    assert state.step == 3 and float(state.trainable["a"].min()) == 3.0 and float(state.opt_state["m"][0]) == -3.0
+    assert state.data_state == {"position": 3} and state.epoch_nll == 3.0
+    checkpoints.save(dataclasses.replace(state, step=4))  # a new save uses the new name
+    checkpoints.manager.wait_until_finished()
+    assert checkpoints._trainable_key(4) == "trainable" and checkpoints._trainable_key(3) == "lora"
+    assert checkpoints.restore_newest(template, lambda data_state: None).step == 4
+  finally:
+    checkpoints.close()
 
 
 @pytest.mark.slow
@@ -580,7 +610,7 @@ import sys
 import jax.numpy as jnp
 from jaxsft import run_files, train
 checkpoints = train.Checkpoints(run_files.RunFiles(sys.argv[1]), keep=2)
-template = train.RunState(lora={"a": jnp.zeros((4, 3))}, opt_state={"m": jnp.zeros((3,))})
+template = train.RunState(trainable={"a": jnp.zeros((4, 3))}, opt_state={"m": jnp.zeros((3,))})
 print("restored", checkpoints.restore_newest(template, lambda data_state: None).step, file=sys.stderr)
 checkpoints.close()
 """

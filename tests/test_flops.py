@@ -71,8 +71,8 @@ def test_counted_flops_agree_with_xla_cost_analysis_of_the_unrolled_step(monkeyp
   schedule = step_lib.make_schedule(cfg.optim, 10)
   tx = step_lib.make_optimizer(cfg.optim, schedule)
   mesh = sharding.make_mesh_context(cfg.mesh)
-  steps = step_lib.CompiledSteps(step_lib.make_step_functions(graphdef, cfg, tx, schedule), params,
-                                 jax.jit(tx.init)(params), frozen, mesh)
+  steps = step_lib.CompiledSteps(step_lib.make_step_functions(graphdef, cfg), params,
+                                 jax.jit(tx.init)(params), frozen, mesh, schedule)
   b, t = 2, 32
   steps.warm_up([(b, t)], ("input_ids", "attention_mask", "labels"), with_eval=False, fused=True)
   xla = steps.compiled("train_step", (b, t)).cost_analysis()["flops"]

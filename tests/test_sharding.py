@@ -101,7 +101,7 @@ def _worker_mesh_equivalence(out_path):
                                              devices=jax.devices()[:data * fsdp]))
     p, f = ctx.replicate(params), ctx.shard_frozen(frozen)
     opt = jax.jit(tx.init, out_shardings=ctx.replicated)(p)
-    steps = step_lib.CompiledSteps(step_lib.make_step_functions(graphdef, cfg, tx, schedule), p, opt, f, ctx)
+    steps = step_lib.CompiledSteps(step_lib.make_step_functions(graphdef, cfg), p, opt, f, ctx, schedule)
     before = counter.count
     steps.warm_up(SHAPES, KEYS, with_eval=False)  # the CLI tests count the evaluate compiles
     warmup = counter.count - before
@@ -331,7 +331,7 @@ def test_bfloat16_computes_in_bf16_with_float32_lora_loss_and_optimizer_state(re
     lora.apply_lora(model, r=8, alpha=16, seed=0)
     graphdef, params, frozen = nnx.split(model, nnx.LoRAParam, ...)
     split[dtype] = graphdef, params, frozen
-    step_fns[dtype] = step_lib.StepFunctions(*(jax.jit(f) for f in step_lib.make_step_functions(graphdef, cfg, tx, schedule)))
+    step_fns[dtype] = step_lib.StepFunctions(*(jax.jit(f) for f in step_lib.make_step_functions(graphdef, cfg)))
     nll, n = step_fns[dtype].evaluate(params, frozen, val_batch)
     assert nll.dtype == jnp.float32
     val_loss[dtype] = float(nll) / int(n)
@@ -350,7 +350,7 @@ def test_bfloat16_computes_in_bf16_with_float32_lora_loss_and_optimizer_state(re
   for step in range(6):
     acc = accumulate(zeros(params), params, frozen, train_batch, np.int32(step))
     assert {str(g.dtype) for g in jax.tree.leaves(acc["grads"])} == {"float32"}
-    params, opt_state, out = apply(params, opt_state, acc)
+    params, opt_state, out = apply(params, opt_state, acc, schedule)
     assert out["loss"].dtype == jnp.float32 and bool(out["finite"])
     losses.append(float(out["loss"]))
   assert {str(x.dtype) for x in jax.tree.leaves(params)} == {"float32"}

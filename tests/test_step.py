@@ -1,8 +1,12 @@
-"""The step functions: the logged learning rate is the one AdamW used, skipped steps included."""
+"""The step functions: the schedule (optax's rates, an input of the compiled step), the logged learning
+rate is the one AdamW used (skipped steps included), fused and split steps, padding and packing."""
+
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -10,6 +14,51 @@ from jaxsft import config as config_lib
 from jaxsft import lora, models
 from jaxsft import step as step_lib
 from tiny_model import TINY
+
+
+@pytest.mark.parametrize("warmup", [0, 3])
+@pytest.mark.parametrize("shape", ["cosine", "linear", "constant"])
+def test_schedule_rates_are_optaxs(shape, warmup):
+  o = config_lib.OptimConfig(lr=3e-4, schedule=shape, warmup_steps=warmup)
+  total = 12
+  if shape == "cosine":
+    reference = optax.warmup_cosine_decay_schedule(0.0, o.lr, warmup, total, end_value=0.0)
+  else:
+    after = optax.linear_schedule(o.lr, 0.0, total - warmup) if shape == "linear" else optax.constant_schedule(o.lr)
+    reference = optax.join_schedules([optax.linear_schedule(0.0, o.lr, warmup), after], [warmup]) if warmup else after
+  schedule = step_lib.make_schedule(o, total)
+  counts = range(total + 3)  # past the end too: the rate stays at its last value
+  ours = jax.jit(lambda s, c: s.at(c, shape))
+  np.testing.assert_allclose([float(ours(schedule, np.int32(c))) for c in counts], [float(reference(c)) for c in counts],
+                             rtol=1e-6, atol=1e-12)
+
+
+def _without_source_info(hlo_text):
+  """The HLO text without the source file table and per-instruction metadata: where a traced
+  line came from differs between two traces of the same code, the program does not."""
+  tables = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+  body = "\n\n".join(part for part in hlo_text.split("\n\n") if not part.startswith(tables))
+  return re.sub(r", metadata=\{[^}]*\}", "", body)
+
+
+def test_the_compiled_step_takes_the_schedule_as_an_input():
+  """Another learning rate, warmup or run length runs the same executable: no number of the
+  schedule is a constant in it (the persistent cache then serves a sweep or a longer run)."""
+  keys = ("input_ids", "attention_mask", "labels")
+  texts, rates = [], []
+  for lr, warmup, total in ((1e-3, 0, 10), (5e-2, 3, 1000)):
+    cfg = config_lib.TrainConfig()
+    cfg.optim.lr, cfg.optim.warmup_steps = lr, warmup
+    cfg, graphdef, params, frozen, tx, fns, mesh = _setup(models.init_random(TINY, seed=0), cfg, total)
+    schedule = step_lib.make_schedule(cfg.optim, total)
+    steps = step_lib.CompiledSteps(fns, mesh.replicate(params), jax.jit(tx.init)(params), frozen, mesh, schedule)
+    steps.warm_up([(2, 16)], keys, with_eval=False, fused=True)
+    texts.append(_without_source_info(steps.compiled("train_step", (2, 16)).as_text()))
+    batch = mesh.put_batch(_batch(2, 16, TINY.vocab_size))
+    _, _, out = steps.train_step(mesh.replicate(params), jax.jit(tx.init)(params), frozen, batch, np.int32(0))
+    rates.append(float(out["lr"]))
+  assert "ENTRY" in texts[0] and texts[0] == texts[1]
+  assert rates == [pytest.approx(1e-3), 0.0]  # each run's own numbers: 1e-3 at once, 0 at the start of warmup
 
 
 def test_logged_lr_is_the_rate_adamw_used_after_a_skipped_step():
@@ -20,7 +69,7 @@ def test_logged_lr_is_the_rate_adamw_used_after_a_skipped_step():
   graphdef, params, frozen = nnx.split(model, nnx.LoRAParam, ...)
   schedule = step_lib.make_schedule(cfg.optim, 10)
   tx = step_lib.make_optimizer(cfg.optim, schedule)
-  fns = step_lib.make_step_functions(graphdef, cfg, tx, schedule)
+  fns = step_lib.make_step_functions(graphdef, cfg)
   opt_state = tx.init(params)
   good = fns.zeros(params)
   good = {**good, "grads": jax.tree.map(lambda g: g + 1.0, good["grads"]), "nll": jnp.float32(3.0),
@@ -29,13 +78,13 @@ def test_logged_lr_is_the_rate_adamw_used_after_a_skipped_step():
   bad["grads"] = jax.tree.map(lambda g: g * np.nan, good["grads"])
   lrs, finite = [], []
   for acc in (good, bad, good, good):  # the second update is skipped
-    params, opt_state, out = fns.apply(params, opt_state, acc)
+    params, opt_state, out = fns.apply(params, opt_state, acc, schedule)
     lrs.append(float(out["lr"]))
     finite.append(bool(out["finite"]))
   assert finite == [True, False, True, True]
   # AdamW applied updates 0, (skip), 1, 2: its schedule read counts 0, 1, 1, 2 — not the loop's 0..3.
-  expected = [float(schedule(c)) for c in (0, 1, 1, 2)]
-  assert lrs == expected and expected[2] != float(schedule(2))
+  expected = [float(schedule.at(c, "linear")) for c in (0, 1, 1, 2)]
+  assert lrs == expected and expected[2] != float(schedule.at(2, "linear"))
   assert int(step_lib.updates_applied(opt_state)) == 3
 
 
@@ -47,7 +96,7 @@ def _setup(model, cfg=None, total_steps=10):
   graphdef, params, frozen = nnx.split(model, nnx.LoRAParam, ...)
   schedule = step_lib.make_schedule(cfg.optim, total_steps)
   tx = step_lib.make_optimizer(cfg.optim, schedule)
-  fns = step_lib.make_step_functions(graphdef, cfg, tx, schedule)
+  fns = step_lib.make_step_functions(graphdef, cfg)
   return cfg, graphdef, params, frozen, tx, fns, sharding.make_mesh_context(cfg.mesh)
 
 
@@ -129,15 +178,16 @@ def test_trained_positions_loss_equals_full_logits_on_the_real_model(smollm2_jax
 def test_fused_train_step_is_one_executable_equal_to_accumulate_then_apply(no_compile_cache):
   """grad_accum 1: one compiled executable per shape whose result is accumulate → apply's."""
   cfg, graphdef, params, frozen, tx, fns, mesh = _setup(models.init_random(TINY, seed=0))
+  schedule = step_lib.make_schedule(cfg.optim, 10)
   batch = mesh.put_batch(_batch(2, 24, TINY.vocab_size))
   keys = ("input_ids", "attention_mask", "labels")
   copy = lambda tree: jax.tree.map(jnp.copy, tree)
-  fused = step_lib.CompiledSteps(fns, mesh.replicate(params), jax.jit(tx.init)(params), frozen, mesh)
+  fused = step_lib.CompiledSteps(fns, mesh.replicate(params), jax.jit(tx.init)(params), frozen, mesh, schedule)
   counter = step_lib.compile_counter()
   before = counter.count
   fused.warm_up([(2, 24)], keys, with_eval=False, fused=True)
   assert counter.count - before == 1  # the whole step: zeros, accumulate and apply in one
-  split = step_lib.CompiledSteps(fns, mesh.replicate(params), jax.jit(tx.init)(params), frozen, mesh)
+  split = step_lib.CompiledSteps(fns, mesh.replicate(params), jax.jit(tx.init)(params), frozen, mesh, schedule)
   split.warm_up([(2, 24)], keys, with_eval=False)
   p1, o1, p2, o2 = copy(params), tx.init(params), copy(params), tx.init(params)
   for i in range(3):

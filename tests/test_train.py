@@ -192,7 +192,7 @@ def test_accumulated_micro_batches_equal_one_batch_whatever_the_padding(tokenize
   params = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(2), x.shape), params)
   schedule = step_lib.make_schedule(cfg.optim, 10)
   tx = step_lib.make_optimizer(cfg.optim, schedule)
-  zeros, accumulate, apply, evaluate = step_lib.make_step_functions(graphdef, cfg, tx, schedule)
+  zeros, accumulate, apply, evaluate = step_lib.make_step_functions(graphdef, cfg)
   examples = [data.tokenize_example(tokenizer, r, max_length=1024) for r in synthetic.make_dataset(40, seed=5)]
   examples = [e for e in examples if len(e["input_ids"]) <= 120][:8]
   one = data.collate(examples, pad_token_id=2, bucket_lengths=[256])
@@ -207,8 +207,8 @@ def test_accumulated_micro_batches_equal_one_batch_whatever_the_padding(tokenize
     np.testing.assert_allclose(g1, g2, rtol=1e-5, atol=1e-6)
   # apply normalizes once: the gradient it clips and reports is Σ∇nll / Σ valid, the same from
   # either accumulator.
-  _, _, out_one = apply(params, jax.jit(tx.init)(params), acc_one)
-  _, _, out = apply(params, jax.jit(tx.init)(params), acc_two)
+  _, _, out_one = apply(params, jax.jit(tx.init)(params), acc_one, schedule)
+  _, _, out = apply(params, jax.jit(tx.init)(params), acc_two, schedule)
   summed_norm = float(np.sqrt(sum(float(jnp.sum(g * g)) for g in jax.tree.leaves(acc_one["grads"]))))
   assert summed_norm > 0
   np.testing.assert_allclose(out["grad_norm"], summed_norm / int(acc_one["n_valid"]), rtol=1e-5)
@@ -239,8 +239,8 @@ def test_a_shape_outside_the_warm_up_set_is_counted_as_a_recompile(no_compile_ca
   schedule = step_lib.make_schedule(cfg.optim, 10)
   tx = step_lib.make_optimizer(cfg.optim, schedule)
   ctx = sharding.make_mesh_context(cfg.mesh)
-  steps = step_lib.CompiledSteps(step_lib.make_step_functions(graphdef, cfg, tx, schedule), params,
-                                 jax.jit(tx.init)(params), frozen, ctx)
+  steps = step_lib.CompiledSteps(step_lib.make_step_functions(graphdef, cfg), params,
+                                 jax.jit(tx.init)(params), frozen, ctx, schedule)
   keys = ("input_ids", "attention_mask", "labels")
   steps.warm_up([(2, 16)], keys, with_eval=False)
   batch = lambda t: ctx.put_batch({"input_ids": np.ones((2, t), np.int32), "attention_mask": np.ones((2, t), np.int32),

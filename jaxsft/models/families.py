@@ -26,8 +26,13 @@ compiled layer body. Both the transformers 4 keys (`rope_theta`, `rope_scaling`,
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import pathlib
 from collections.abc import Mapping
 from typing import Any
+
+from jaxsft.errors import ModelError
 
 # model_type -> the causal-LM architecture name. Anything else is refused.
 SUPPORTED_MODEL_TYPES = {
@@ -379,3 +384,23 @@ def to_hf_config(config: LlamaConfig) -> dict[str, Any]:
   if model_type == "smollm3":
     out["no_rope_layers"] = [int(r) for r in (config.layer_rope or (True,) * config.num_layers)]
   return out
+
+
+def read_hf_config(folder: str | os.PathLike, *, architecture_only: bool = False) -> dict:
+  """FOLDER/config.json, refused (`ModelError` naming the file and the architecture, with the
+  supported list) unless jaxsft builds that model: checked before any weight or tokenizer is read.
+  `architecture_only`: only the family is checked (a tokenizer folder's config may hold no more)."""
+  config_path = pathlib.Path(folder) / "config.json"
+  try:
+    hf_config = json.loads(config_path.read_text())
+  except json.JSONDecodeError as e:
+    raise ModelError(f"{config_path}: line {e.lineno}: invalid JSON ({e.msg})") from None
+  except (RecursionError, UnicodeDecodeError) as e:
+    raise ModelError(f"{config_path}: invalid JSON ({e})") from None
+  if not isinstance(hf_config, dict):
+    raise ModelError(f"{config_path}: expected a JSON object, got {type(hf_config).__name__}")
+  try:
+    check_architecture(hf_config) if architecture_only else from_hf_config(hf_config)
+  except (ValueError, KeyError, TypeError) as e:
+    raise ModelError(f"{config_path}: {e if not isinstance(e, KeyError) else f'field {e} is missing'}") from None
+  return hf_config

@@ -84,7 +84,7 @@ def load_tokenizer(source: ModelSource | str):
     source = resolve_model(source)
   if source.gguf_file is None:
     if not source.is_hub_id:
-      from jaxsft.models.loading import read_hf_config
+      from jaxsft.models.families import read_hf_config
 
       read_hf_config(source.path, architecture_only=True)  # an unsupported architecture is named before its tokenizer loads
     return AutoTokenizer.from_pretrained(source.path)

@@ -10,7 +10,6 @@ skips dequantization and a crash never leaves a half-written cache behind.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 from collections.abc import Callable
 
@@ -82,30 +81,10 @@ def _local_folder(source: ModelSource) -> pathlib.Path:
                                                                       "*.txt"]))
 
 
-def read_hf_config(folder: str | os.PathLike, *, architecture_only: bool = False) -> dict:
-  """FOLDER/config.json, refused (`ModelError` naming the file and the architecture, with the
-  supported list) unless jaxsft builds that model: checked before any weight or tokenizer is read.
-  `architecture_only`: only the family is checked (a tokenizer folder's config may hold no more)."""
-  config_path = pathlib.Path(folder) / "config.json"
-  try:
-    hf_config = json.loads(config_path.read_text())
-  except json.JSONDecodeError as e:
-    raise ModelError(f"{config_path}: line {e.lineno}: invalid JSON ({e.msg})") from None
-  except (RecursionError, UnicodeDecodeError) as e:
-    raise ModelError(f"{config_path}: invalid JSON ({e})") from None
-  if not isinstance(hf_config, dict):
-    raise ModelError(f"{config_path}: expected a JSON object, got {type(hf_config).__name__}")
-  try:
-    families.check_architecture(hf_config) if architecture_only else families.from_hf_config(hf_config)
-  except (ValueError, KeyError, TypeError) as e:
-    raise ModelError(f"{config_path}: {e if not isinstance(e, KeyError) else f'field {e} is missing'}") from None
-  return hf_config
-
-
 def _read_hf_folder(folder: pathlib.Path) -> tuple[dict, dict[str, np.ndarray], str]:
   from safetensors.numpy import load_file
 
-  hf_config = read_hf_config(folder)
+  hf_config = families.read_hf_config(folder)
   files = sorted(folder.glob("*.safetensors"))
   index = folder / "model.safetensors.index.json"
   if index.is_file():

@@ -9,38 +9,34 @@
 The step itself (pure functions, optimizer, ahead-of-time compilation) is `jaxsft.step`; what
 the run writes is `jaxsft.run_files`. Everything the loop changes lives in one `RunState`.
 
-    recipe.py       `train`: setup → loop → finish, `RunResult`, `main` (the command line)
-    setup.py        `Run` and everything before step 1: data, model, adapters, warm-up, resume
+    recipe.py       `train`: setup → loop → finish, `main` (the command line)
+    startup.py      `Run`, `setup` and everything before step 1: data, model, adapters, warm-up, resume
     loop.py         `run_loop`: steps, late metrics, validation, checkpoints, `end_of_run`
     report.py       `finish` (curve, doctor, evaluation, summary), `ProgressBar`, the stderr log
     data_plan.py    records, the held-out split, `DataPlan`: one tokenization, the batch shapes
     prefetch.py     `DevicePrefetch`: batches put on the devices while a step runs
     checkpoints.py  `Checkpoints`: orbax saves with the Grain position, damaged ones set aside
-    state.py        `RunState`, `TrainingError`
-
-The name `jaxsft.train.setup` is the function, as it was before the package, not setup.py: to
-reach (or patch) the module, use `sys.modules["jaxsft.train.setup"]`.
+    state.py        `RunState`, `TrainingError`, `RunResult`
 """
 
 from __future__ import annotations
 
 from jaxsft.train.state import RunState, TrainingError
-from jaxsft.train.data_plan import DataPlan, load_data, plan_data
+from jaxsft.train.data_plan import DataPlan, load_data, load_file, plan_data
 from jaxsft.train.prefetch import DevicePrefetch
 from jaxsft.train.checkpoints import Checkpoints, SavedIteratorState
-from jaxsft.train.setup import (Run, account_collation, build_steps, param_paths, probe_step_cost, resolve_peak_flops,
+from jaxsft.train.startup import (Run, account_collation, build_steps, param_paths, probe_step_cost, resolve_peak_flops,
                                 setup, start_or_resume, trainable_filter, warm_up)
 from jaxsft.train.report import ProgressBar, finish, summary_text
 from jaxsft.train.loop import (StepDuties, account_step, all_finite, discard_poisoned_checkpoint, end_of_run,
                                finish_record, record_validation, run_loop, save_checkpoint, save_full_model, save_tuned,
                                train_step, validate, validate_base)
 from jaxsft.train.recipe import RunResult, main, train, train_and_finish
-from jaxsft.train.data_plan import _load_file  # noqa: F401  (tests read a file through it)
 
 __all__ = [
     "Checkpoints", "DataPlan", "DevicePrefetch", "ProgressBar", "Run", "RunResult", "RunState", "SavedIteratorState",
     "StepDuties", "TrainingError", "account_collation", "account_step", "all_finite", "build_steps",
-    "discard_poisoned_checkpoint", "end_of_run", "finish", "finish_record", "load_data", "main", "param_paths",
+    "discard_poisoned_checkpoint", "end_of_run", "finish", "finish_record", "load_data", "load_file", "main", "param_paths",
     "plan_data", "probe_step_cost", "record_validation", "resolve_peak_flops", "run_loop", "save_checkpoint",
     "save_full_model", "save_tuned", "setup", "start_or_resume", "summary_text", "train", "train_and_finish",
     "train_step", "trainable_filter", "validate", "validate_base", "warm_up",

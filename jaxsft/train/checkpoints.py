@@ -108,7 +108,7 @@ class Checkpoints:
     import orbax.checkpoint as ocp
 
     self.manager.save(state.step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave({"lora": state.lora, "opt_state": state.opt_state}),
+        state=ocp.args.StandardSave({"trainable": state.trainable, "opt_state": state.opt_state}),
         data_iter=grain.checkpoint.CheckpointSave(SavedIteratorState(state.data_state)),
         meta=ocp.args.JsonSave(state.scalars())))
 
@@ -117,13 +117,22 @@ class Checkpoints:
     import orbax.checkpoint as ocp
 
     holder = SavedIteratorState()
+    key = self._trainable_key(step)
     restored = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore({"lora": template.lora, "opt_state": template.opt_state}),
+        state=ocp.args.StandardRestore({key: template.trainable, "opt_state": template.opt_state}),
         data_iter=grain.checkpoint.CheckpointRestore(holder), meta=ocp.args.JsonRestore()))
     restore_data_position(holder.state)
     scalars = {k: v for k, v in restored["meta"].items() if k in RunState.SCALARS}
-    return RunState(lora=restored["state"]["lora"], opt_state=restored["state"]["opt_state"], step=step,
+    return RunState(trainable=restored["state"][key], opt_state=restored["state"]["opt_state"], step=step,
                     data_state=holder.state, **scalars)
+
+  def _trainable_key(self, step: int) -> str:
+    """The name the trainable params were saved under: "trainable", or "lora" in a checkpoint
+    written before full fine-tuning shared the name (a run started by an older jaxsft resumes)."""
+    import orbax.checkpoint as ocp
+
+    saved = ocp.StandardCheckpointHandler().metadata(self.files.checkpoints.resolve() / str(step) / "state")
+    return "lora" if "lora" in saved.keys() else "trainable"
 
   def restore_newest(self, template: RunState, restore_data_position) -> RunState | None:
     """The newest checkpoint that restores whole; None when there is none at all."""

@@ -32,15 +32,15 @@ def load_data(cfg: config_lib.TrainConfig) -> tuple[list[dict], list[dict]]:
 
     records = synthetic.make_dataset(d.synthetic_size, seed=d.seed)
   else:
-    records = _load_file(d.path, cfg)
+    records = load_file(d.path, cfg)
   if d.val_path is not None:
-    val = _load_file(d.val_path, cfg)
+    val = load_file(d.val_path, cfg)
     return records, _held_out(val, np.arange(min(len(val), d.max_val_examples)))
   order = np.random.default_rng(d.seed).permutation(len(records))
   n_val = min(max(1, int(round(len(records) * d.val_fraction))), d.max_val_examples) if d.val_fraction > 0 else 0
   if n_val >= len(records):
     raise data_lib.DataError(f"{d.path}: {len(records)} records leave none for training after a {d.val_fraction} validation split")
-  if hasattr(records, "take"):  # a store's records: views, nothing decoded
+  if isinstance(records, data_lib.store.StoredRecords):  # views, nothing decoded
     return records.take(order[n_val:]), _held_out(records, order[:n_val])
   return [records[i] for i in order[n_val:]], [records[i] for i in order[:n_val]]
 
@@ -48,13 +48,15 @@ def load_data(cfg: config_lib.TrainConfig) -> tuple[list[dict], list[dict]]:
 def _held_out(records, indices):
   """The held-out records as a plain list (they are written to heldout.json and generated from),
   with their stored tokenization attached when they come from a store."""
-  if not hasattr(records, "take"):
+  if not isinstance(records, data_lib.store.StoredRecords):
     return [records[i] for i in indices]
   view = records.take(indices)
   return data_lib.store.RecordList(view, view.tokenized)
 
 
-def _load_file(path: str, cfg: config_lib.TrainConfig):
+def load_file(path: str, cfg: config_lib.TrainConfig):
+  """The records of a data file: a token store's lazy view (`data.cache`), else loaded and checked
+  against the chat template, a record it cannot label skipped or named (`data.on_error`)."""
   d = cfg.data
   tokenizer = models.load_tokenizer(cfg.model.name)
   if d.cache:

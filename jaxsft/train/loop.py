@@ -25,7 +25,7 @@ from jaxsft.train.state import RunState, TrainingError
 
 if TYPE_CHECKING:  # annotations only: setup and the loop are peers that the recipe joins
   from jaxsft.config import TrainConfig
-  from jaxsft.train.setup import Run
+  from jaxsft.train.startup import Run
 
 log = logging.getLogger("jaxsft.train")
 
@@ -36,7 +36,7 @@ def validate(run: Run, state: RunState) -> float | None:
     return None
   nll, n = 0.0, 0
   for batch in run.data.val_batches(run.tokenizer):
-    s, c = run.steps.evaluate(state.lora, run.frozen, run.mesh.put_batch({k: batch[k] for k in step_lib.BATCH_KEYS if k in batch}))
+    s, c = run.steps.evaluate(state.trainable, run.frozen, run.mesh.put_batch({k: batch[k] for k in step_lib.BATCH_KEYS if k in batch}))
     nll, n = nll + s, n + c  # summed on the device: no wait per batch
   return float(nll) / max(int(n), 1)
 
@@ -83,12 +83,12 @@ def train_step(run: Run, state: RunState, batches: DevicePrefetch) -> dict | Non
     return None
   first = np.int32(state.step * run.cfg.optim.grad_accum)  # micro-batch index: the dropout key
   if run.cfg.optim.grad_accum == 1:
-    state.lora, state.opt_state, out = run.steps.train_step(state.lora, state.opt_state, run.frozen, micro[0], first)
+    state.trainable, state.opt_state, out = run.steps.train_step(state.trainable, state.opt_state, run.frozen, micro[0], first)
   else:
-    acc = run.steps.zeros(state.lora)
+    acc = run.steps.zeros(state.trainable)
     for i, batch in enumerate(micro):
-      acc = run.steps.accumulate(acc, state.lora, run.frozen, batch, first + np.int32(i))
-    state.lora, state.opt_state, out = run.steps.apply(state.lora, state.opt_state, acc)
+      acc = run.steps.accumulate(acc, state.trainable, run.frozen, batch, first + np.int32(i))
+    state.trainable, state.opt_state, out = run.steps.apply(state.trainable, state.opt_state, acc)
   state.step += 1
   return {"step": state.step, "tokens": tokens, "real_tokens": real, "data_wait_s": round(wait, 4),
           "epoch": epochs_seen[-1], "device_out": out, "dispatched_at": t_step, "shapes": shapes}
@@ -172,12 +172,12 @@ def save_checkpoint(run: Run, state: RunState) -> bool:
   if state.nonfinite_in_row:
     log.warning("step %d: no checkpoint saved: the step's update was skipped (non-finite)", state.step)
     return False
-  if not all_finite((state.lora, state.opt_state)):
+  if not all_finite((state.trainable, state.opt_state)):
     log.warning("step %d: no checkpoint saved: the weights or the optimizer state hold non-finite values", state.step)
     return False
   run.checkpoints.save(state)
   run.last_saved_step = state.step
-  save_tuned(run, nnx.merge(run.graphdef, state.lora, run.frozen))
+  save_tuned(run, nnx.merge(run.graphdef, state.trainable, run.frozen))
   return True
 
 
@@ -199,7 +199,7 @@ def discard_poisoned_checkpoint(run: Run, state: RunState, first_bad_step: int) 
     run.files.remove_tuned()
     return None
   restored = checkpoints._restore(good, state, lambda data_state: None)
-  save_tuned(run, nnx.merge(run.graphdef, restored.lora, run.frozen))
+  save_tuned(run, nnx.merge(run.graphdef, restored.trainable, run.frozen))
   return good
 
 
@@ -310,7 +310,7 @@ def run_loop(run: Run, state: RunState, batches: DevicePrefetch) -> bool:
     progress.close()
     # A step may still run on the device (the loop raised a step late): let it end before the
     # caller tears down, so no XLA thread outlives the interpreter.
-    jax.block_until_ready((state.lora, state.opt_state))
+    jax.block_until_ready((state.trainable, state.opt_state))
 
 
 def end_of_run(run: Run, state: RunState) -> None:

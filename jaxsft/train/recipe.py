@@ -4,11 +4,10 @@ command line, `python -m jaxsft.train`."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import jax
 from flax import nnx
@@ -19,23 +18,9 @@ from jaxsft import sharding as sharding_lib
 from jaxsft.train.checkpoints import quiet_orbax_failure_logs
 from jaxsft.train.loop import end_of_run, run_loop
 from jaxsft.train.prefetch import DevicePrefetch
-from jaxsft.train.report import _log_to_stderr, finish
-from jaxsft.train.setup import Run, setup, start_or_resume
-from jaxsft.train.state import RunState
-
-
-@dataclasses.dataclass
-class RunResult:
-  output_dir: str
-  steps: int
-  final_loss: float | None
-  val_loss: float | None
-  first_val_loss: float | None
-  compiles_warmup: int
-  recompiles: int
-  stopped_early: bool
-  diagnosis: Any = None
-  evaluation: dict | None = None
+from jaxsft.train.report import finish, log_to_stderr
+from jaxsft.train.startup import Run, setup, start_or_resume
+from jaxsft.train.state import RunResult, RunState
 
 
 def train(cfg: config_lib.TrainConfig) -> RunResult:
@@ -64,13 +49,13 @@ def train_and_finish(run: Run, state: RunState, iterator) -> RunResult:
     run.checkpoints.close()
   result = RunResult(str(run.files.dir), state.step, state.last_loss, state.val_loss, state.first_val_loss,
                      run.compiles_warmup, run.steps.recompiles, stopped_early)
-  lora, frozen = state.lora, run.frozen
+  trainable, frozen = state.trainable, run.frozen
   if jax.process_count() > 1:
     # Process 0 finishes alone (plot, doctor, generation) on a local copy of the gathered weights.
-    lora, frozen = sharding_lib.to_host((lora, frozen))
+    trainable, frozen = sharding_lib.to_host((trainable, frozen))
     if not run.files.writer:
       return result
-  finish(run, result, nnx.merge(run.graphdef, lora, frozen))
+  finish(run, result, nnx.merge(run.graphdef, trainable, frozen))
   return result
 
 
@@ -79,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
   quiet.silence_library_noise()
   quiet_orbax_failure_logs()
-  _log_to_stderr()
+  log_to_stderr()
 
   def run() -> None:
     cfg = config_lib.parse_args(argv)

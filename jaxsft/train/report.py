@@ -14,10 +14,10 @@ from jaxsft import flops as flops_lib
 from jaxsft import models
 from jaxsft import tracking
 from jaxsft.run_files import RunFiles
+from jaxsft.train.state import RunResult
 
-if TYPE_CHECKING:  # annotations only: recipe.py imports this module, so a runtime import back would cycle
-  from jaxsft.train.recipe import RunResult
-  from jaxsft.train.setup import Run
+if TYPE_CHECKING:  # annotations only: startup.py imports the model and data layers
+  from jaxsft.train.startup import Run
 
 log = logging.getLogger("jaxsft.train")
 
@@ -129,7 +129,7 @@ class _StderrHandler(logging.StreamHandler):
     pass
 
 
-def _log_to_stderr():
+def log_to_stderr():
   """jaxsft's INFO lines on stderr, whatever absl or JAX did to the root logger."""
   logger = logging.getLogger("jaxsft")
   if not logger.handlers:

@@ -1,5 +1,5 @@
 """What a run carries from step to step: `RunState`, everything the loop changes (and a checkpoint
-holds), and `TrainingError`, raised when the run cannot go on."""
+holds), `TrainingError`, raised when the run cannot go on, and `RunResult`, what a run ends with."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ class TrainingError(JaxsftError, RuntimeError):
 
 @dataclasses.dataclass
 class RunState:
-  """Everything the loop changes. Checkpoints hold `lora`, `opt_state`, `data_state` and the
+  """Everything the loop changes. Checkpoints hold `trainable`, `opt_state`, `data_state` and the
   scalars (`scalars()`); a resume restores all of them and continues exactly."""
 
-  lora: Any
+  trainable: Any  # the LoRA factors, or every param in full mode
   opt_state: Any
   step: int = 0
   data_state: Any = None  # the Grain iterator's state after the last consumed batch
@@ -39,3 +39,19 @@ class RunState:
 
   def scalars(self) -> dict[str, Any]:
     return {name: getattr(self, name) for name in self.SCALARS}
+
+
+@dataclasses.dataclass
+class RunResult:
+  """What `train` returns: where the run is, how far it got, and what finish found."""
+
+  output_dir: str
+  steps: int
+  final_loss: float | None
+  val_loss: float | None
+  first_val_loss: float | None
+  compiles_warmup: int
+  recompiles: int
+  stopped_early: bool
+  diagnosis: Any = None
+  evaluation: dict | None = None

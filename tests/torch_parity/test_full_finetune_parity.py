@@ -42,12 +42,12 @@ def test_full_gradients_and_one_adamw_step_match_torch(which, request, examples)
   assert not jax.tree.leaves(frozen)  # every param is trained
   schedule = step_lib.make_schedule(cfg.optim, 10)
   tx = step_lib.make_optimizer(cfg.optim, schedule)
-  fns = step_lib.make_step_functions(graphdef, cfg, tx, schedule)
+  fns = step_lib.make_step_functions(graphdef, cfg)
   jbatch = {k: jnp.asarray(v) for k, v in batch.items() if k in step_lib.BATCH_KEYS}
   acc = jax.jit(fns.accumulate)(fns.zeros(params), params, frozen, jbatch, np.int32(0))
   n_valid = int(acc["n_valid"])
   j_grads = {k: v / n_valid for k, v in _hf_named(graphdef, acc["grads"], frozen).items()}
-  new_params, _, out = jax.jit(fns.apply)(params, tx.init(params), acc)
+  new_params, _, out = jax.jit(fns.apply)(params, tx.init(params), acc, schedule)
   j_new = _hf_named(graphdef, new_params, frozen)
 
   model = __import__("copy").deepcopy(torch_model).train(False)

@@ -123,67 +123,64 @@ def _setup(cfg: config_lib.TrainConfig, files: RunFiles, t_start: float) -> tupl
     lora_lib.apply_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                         target_modules=cfg.lora.target_modules, rslora=cfg.lora.rslora, seed=cfg.seed)
   flop_count = flops_lib.StepFlops.from_model(model, trainable_filter(cfg))
-  # `lora` is the trainable state (the LoRA factors, or the model's own params in full mode).
-  graphdef, lora, frozen = nnx.split(model, trainable_filter(cfg), ...)
-  n_lora = sum(x.size for x in jax.tree.leaves(lora))
-  n_all = n_lora + quant.param_count(frozen)
-  if n_lora == 0:
+  # The trainable state: the LoRA factors, or the model's own params in full mode.
+  graphdef, trainable, frozen = nnx.split(model, trainable_filter(cfg), ...)
+  n_trainable = sum(x.size for x in jax.tree.leaves(trainable))
+  n_all = n_trainable + quant.param_count(frozen)
+  if n_trainable == 0:
     raise config_lib.ConfigError(f"trainable={cfg.trainable!r} matches no parameter; paths look like "
                                  f"{sorted(param_paths(model))[:6]}")
-  log.info("trainable %s params: %d of %d (%.3f%%)", "LoRA" if cfg.mode == "lora" else "model", n_lora, n_all,
-           100 * n_lora / max(n_all, 1))
-  param_bytes = {"base_param_bytes": quant.tree_bytes(frozen), "trainable_param_bytes": quant.tree_bytes(lora)}
+  log.info("trainable %s params: %d of %d (%.3f%%)", "LoRA" if cfg.mode == "lora" else "model", n_trainable, n_all,
+           100 * n_trainable / max(n_all, 1))
+  param_bytes = {"base_param_bytes": quant.tree_bytes(frozen), "trainable_param_bytes": quant.tree_bytes(trainable)}
   log.info("frozen base: %.1f MB as stored (quantize=%s); trainable: %.1f MB", param_bytes["base_param_bytes"] / 1e6,
            cfg.model.quantize, param_bytes["trainable_param_bytes"] / 1e6)
-  lora, frozen = mesh.replicate(lora), mesh.shard_frozen(frozen)
+  trainable, frozen = mesh.replicate(trainable), mesh.shard_frozen(frozen)
 
-  probes = []  # (steps, opt_state, cost, schedule length, seconds) when auto probed the step's cost
+  probes = []  # (steps, opt_state, cost, seconds) when auto probed the step's cost
   data = plan_data(cfg, train_records, val_records, tokenizer, mesh.batch_multiple_of,
-                   cost_for=lambda longest: probe_step_cost(cfg, graphdef, lora, frozen, mesh, bool(val_records),
-                                                            len(train_records), longest, probes))
+                   cost_for=lambda longest: probe_step_cost(cfg, graphdef, trainable, frozen, mesh, bool(val_records),
+                                                            longest, probes))
   steps_per_epoch = max(data.batches_per_epoch // cfg.optim.grad_accum, 1)
   # max_steps (like Hugging Face's) overrides epochs: the data repeats for as long as it takes.
   total_steps = cfg.max_steps if cfg.max_steps else steps_per_epoch * cfg.epochs
   log.info("batch shapes %s; %d batches per epoch, %d optimizer steps", data.shapes, data.batches_per_epoch, total_steps)
 
   files.dir.mkdir(parents=True, exist_ok=True)  # only now: bad config, data or model wrote nothing
-  if probes and probes[0][3] == total_steps:  # the probes' executables serve the run: same schedule
+  if probes:  # the probes' executables serve the run: its schedule is an input of them
     steps, opt_state = probes[0][0], probes[0][1]
+    steps.use_schedule(step_lib.make_schedule(cfg.optim, total_steps))
   else:
-    steps, opt_state = build_steps(cfg, graphdef, lora, frozen, mesh, total_steps)
+    steps, opt_state = build_steps(cfg, graphdef, trainable, frozen, mesh, total_steps)
   run = Run(cfg, files, mesh, tokenizer, data, graphdef, frozen, steps, total_steps, steps_per_epoch,
-            Checkpoints(files, cfg.keep_checkpoints), t_start, probe_seconds=probes[0][4] if probes else 0.0,
+            Checkpoints(files, cfg.keep_checkpoints), t_start, probe_seconds=probes[0][3] if probes else 0.0,
             flop_count=flop_count, peak_flops=resolve_peak_flops(cfg), param_bytes=param_bytes)
-  warm_up(run, n_lora)
-  return run, RunState(lora=lora, opt_state=opt_state)
+  warm_up(run, n_trainable)
+  return run, RunState(trainable=trainable, opt_state=opt_state)
 
 
-def build_steps(cfg: config_lib.TrainConfig, graphdef, lora, frozen, mesh, total_steps: int):
+def build_steps(cfg: config_lib.TrainConfig, graphdef, trainable, frozen, mesh, total_steps: int):
   """(CompiledSteps, initial optimizer state) for a run of `total_steps` (the schedule's length)."""
   schedule = step_lib.make_schedule(cfg.optim, total_steps)
   tx = step_lib.make_optimizer(cfg.optim, schedule)
-  opt_state = jax.jit(tx.init, out_shardings=mesh.replicated)(lora)  # follows the replicated LoRA params
-  return step_lib.CompiledSteps(step_lib.make_step_functions(graphdef, cfg, tx, schedule), lora, opt_state, frozen,
-                                mesh), opt_state
+  opt_state = jax.jit(tx.init, out_shardings=mesh.replicated)(trainable)  # follows the replicated trainable params
+  return step_lib.CompiledSteps(step_lib.make_step_functions(graphdef, cfg), trainable, opt_state, frozen, mesh,
+                                schedule), opt_state
 
 
-def probe_step_cost(cfg: config_lib.TrainConfig, graphdef, lora, frozen, mesh, with_eval: bool, num_train: int,
-                    longest: int, out: list):
+def probe_step_cost(cfg: config_lib.TrainConfig, graphdef, trainable, frozen, mesh, with_eval: bool, longest: int,
+                    out: list):
   """With `batching: auto` or `num_buckets: auto`: compiles and times three probe shapes (a quarter,
   half and all of `longest`) and fits the step's cost, before the plan is chosen. Appends (steps,
-  opt_state, cost, the schedule length the probes were compiled for, seconds) to `out` and returns
-  the cost; None (nothing probed) when no choice needs seconds.
-
-  The probes' executables serve the run when its schedule has that length (`max_steps`, or the
-  estimated steps per epoch turned out right); otherwise the run compiles its own.
+  opt_state, cost, seconds) to `out` and returns the cost; None (nothing probed) when no choice
+  needs seconds. The probes' executables then serve the run (its schedule is set once known).
   """
   d = cfg.data
   if not (d.batching == "auto" or d.num_buckets == "auto"):
     return None
   t0 = time.time()
   size_for = collation_lib.batch_size_rule(d, mesh.batch_multiple_of)
-  length = cfg.max_steps or max(-(-num_train // size_for(longest)) // cfg.optim.grad_accum, 1) * cfg.epochs
-  steps, opt_state = build_steps(cfg, graphdef, lora, frozen, mesh, length)
+  steps, opt_state = build_steps(cfg, graphdef, trainable, frozen, mesh, cfg.max_steps or 1)
   shapes = [(size_for(t), t) for t in collation_lib.probe_widths(longest, d.pad_to_multiple_of)]
   # Compiled for the inputs the run will feed them when it can tell (auto may still pick packing:
   # then its one width compiles again, with segment ids).
@@ -192,7 +189,7 @@ def probe_step_cost(cfg: config_lib.TrainConfig, graphdef, lora, frozen, mesh, w
   cost = collation_lib.fit_from_steps(steps, shapes, keys, fused=cfg.optim.grad_accum == 1)
   log.info("collation probes %s: step %.3g + %.3g·B·T + %.3g·B·T² s, compile %.3g + %.3g·T s (%.1fs)", shapes,
            cost.a, cost.b, cost.c, cost.compile_base, cost.compile_per_width, time.time() - t0)
-  out.append((steps, opt_state, cost, length, time.time() - t0))
+  out.append((steps, opt_state, cost, time.time() - t0))
   return cost
 
 
@@ -212,7 +209,7 @@ def resolve_peak_flops(cfg: config_lib.TrainConfig) -> float | None:
   return found[1]
 
 
-def warm_up(run: Run, n_lora: int) -> None:
+def warm_up(run: Run, n_trainable: int) -> None:
   """Compiles every shape the pipeline can emit, before step 1, and logs the config line."""
   counter = step_lib.compile_counter()
   packed = run.data.batching["batching"] in ("packed", "bucketed_packed")
@@ -226,7 +223,7 @@ def warm_up(run: Run, n_lora: int) -> None:
            counter.seconds - seconds0, len(run.data.shapes))
   run.config_line = {"event": "config", "steps_per_epoch": run.steps_per_epoch, "total_steps": run.total_steps,
                      "batch_shapes": run.data.shapes, "bucket_lengths": run.data.batching["bucket_lengths"],
-                     "warmup_compiles": run.compiles_warmup, "warmup_seconds": round(seconds, 2), "lora_params": n_lora,
+                     "warmup_compiles": run.compiles_warmup, "warmup_seconds": round(seconds, 2), "trainable_params": n_trainable,
                      **run.param_bytes}
 
 
