@@ -44,9 +44,9 @@ def base_args(tiny_dir, small_data, out, *extra):
           "data.batch_size=8", "data.tokens_per_batch=none", "data.max_val_examples=16",
           # No timing calls at warm-up where a test does not read the fitted cost (the end-to-end test does).
           "data.time_shapes=false",
-          # A constant rate: the step's executable does not depend on max_steps (the schedule's length is
-          # compiled into it), so runs of different lengths, resumes included, share the session's
-          # compile cache. The end-to-end test keeps the default warm-up and cosine decay.
+          # A constant rate, so a test's steps are comparable whatever its run length (the schedule is a
+          # step input: every length shares the session's compiles). The end-to-end test keeps the default
+          # warm-up and cosine decay.
           "optim.schedule=constant", "optim.warmup_steps=0", "--no-progress", *extra]
 
 
@@ -381,3 +381,6 @@ def test_max_steps_repeats_the_data_and_dynamic_compiles_the_data_shapes(tiny_di
                                "eval.generate=false", f"data.cache_dir={cache}"))
   assert again.returncode == 0, again.stderr[-3000:]
   assert "token store" in again.stderr and "found in" in again.stderr  # the second run tokenizes nothing
+  # A fixed number of buckets is chosen from lengths alone: time_shapes=false times nothing there either.
+  bucketed = json.loads((tmp_path / "run2" / "summary.json").read_text())["collation"]
+  assert bucketed["choice"] == "bucketed K=2" and bucketed["cost"]["source"].startswith("default: "), bucketed

@@ -176,7 +176,7 @@ def probe_step_cost(cfg: config_lib.TrainConfig, graphdef, trainable, frozen, me
   needs seconds. The probes' executables then serve the run (its schedule is set once known).
   """
   d = cfg.data
-  if not (d.batching == "auto" or d.num_buckets == "auto"):
+  if not chosen_on_timings(d):
     return None
   t0 = time.time()
   size_for = collation_lib.batch_size_rule(d, mesh.batch_multiple_of)
@@ -227,6 +227,12 @@ def warm_up(run: Run, n_trainable: int) -> None:
                      **run.param_bytes}
 
 
+def chosen_on_timings(d: config_lib.DataConfig) -> bool:
+  """Whether the plan was chosen on the step's own timings (the probes): then they are fitted whatever
+  `time_shapes` says, since the choice already paid for them."""
+  return d.batching == "auto" or d.num_buckets == "auto"
+
+
 def account_collation(run: Run, keys: tuple[str, ...]) -> None:
   """Times one call of the compiled shapes, fits the cost, and keeps the plan's predicted seconds
   (over the planned steps) for summary.json; logs the choice (auto: with its runners-up)."""
@@ -234,7 +240,7 @@ def account_collation(run: Run, keys: tuple[str, ...]) -> None:
   size_for = collation_lib.batch_size_rule(cfg.data, run.mesh.batch_multiple_of)
   if jax.process_count() > 1:  # timing copies the state; across processes it is not addressable here
     cost = data_lib.cost.DEFAULT_COST
-  elif not (cfg.data.time_shapes or data.collation is not None):  # auto's choice was made on timings
+  elif not (cfg.data.time_shapes or chosen_on_timings(cfg.data)):
     cost = data_lib.cost.DEFAULT_COST
   else:
     cost = collation_lib.fit_from_steps(run.steps, data.shapes, keys, fused=cfg.optim.grad_accum == 1)
