@@ -3,7 +3,7 @@
 Three runs on the built-in task set, small token budgets so each takes well under a minute:
 a sensible learning rate (held-out loss drops), a far too high one and a far too low one (the
 doctor must name the learning rate as the likely cause). They share the session's persistent
-XLA cache (conftest), so the second and third runs reuse the first one's compiles. The first runs
+XLA cache (conftest): the doctor's two runs, which have smaller batches, compile once. The first runs
 `python -m jaxsft.train` as a user does; the other two, and the doctor, run in-process.
 """
 
@@ -52,12 +52,17 @@ def test_sensible_lr_lowers_held_out_loss(tmp_path):
   assert (tmp_path / "ok" / "adapter" / "adapter_model.safetensors").is_file()
 
 
+# The doctor reads the training curve: half the tokens per step of the runs above, and no
+# validation but the run's last, still give it its 12 points.
+DOCTOR = ["optim.warmup_steps=0", "data.tokens_per_batch=192", "eval.eval_every=0", "data.max_val_examples=4"]
+
+
 def test_doctor_on_far_too_high_and_far_too_low_learning_rates(tmp_path, train_main, run_cli):
-  _, _ = run(tmp_path / "high", "--lr", "0.3", "optim.warmup_steps=0", train_main=train_main)
+  _, _ = run(tmp_path / "high", "--lr", "0.3", *DOCTOR, train_main=train_main)
   high = doctor(tmp_path / "high", run_cli)
   assert high["pattern"] in ("diverging", "oscillating"), high  # both: "learning rate too high"
   assert "learning rate" in high["likely_cause"].lower(), high
-  _, _ = run(tmp_path / "low", "--lr", "1e-7", "optim.warmup_steps=0", train_main=train_main)
+  _, _ = run(tmp_path / "low", "--lr", "1e-7", *DOCTOR, train_main=train_main)
   low = doctor(tmp_path / "low", run_cli)
   assert low["pattern"] == "flat", low
   assert "learning rate too low" in low["likely_cause"].lower(), low
