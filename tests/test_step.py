@@ -127,10 +127,13 @@ def _full_logits_sums(graphdef, params, frozen, batch):
 
 def _compare_with_full_logits(model, batch, rtol):
   cfg, graphdef, params, frozen, tx, fns, _ = _setup(model)
+  # Non-zero B (it starts at zero), so A's gradients are not zero on both sides.
+  params = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(2), x.shape), params)
   acc = jax.jit(fns.accumulate)(fns.zeros(params), params, frozen, batch, np.int32(0))
   (nll, n), grads = jax.jit(jax.value_and_grad(  # frozen an argument: a closed-over base is constant-folded
       lambda p, f: _full_logits_sums(graphdef, p, f, batch), has_aux=True))(params, frozen)
   assert int(acc["n_valid"]) == int(n) > 0
+  assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))  # every factor's comparison can fail
   np.testing.assert_allclose(float(acc["nll"]), float(nll), rtol=rtol)
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(acc["grads"])):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=rtol, atol=rtol * float(jnp.abs(a).max()))
