@@ -53,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "run (model.quantize) trained the adapter (default: none; a RUN_DIR brings its own)")
   parser.add_argument("--quant-block-size", type=int, default=None,
                       help="with --quantize int8/nf4/int4: inputs per quantization block (default: 64)")
+  parser.add_argument("--quantize-embeddings", action="store_true", default=None,
+                      help="with --quantize: the embeddings and LM head too (model.quantize_embeddings)")
   parser.add_argument("--system", help="a system prompt for the conversation")
   parser.add_argument("--prompt", help="one user message: print the reply and exit")
   parser.add_argument("--input", help="batch mode: a data file of prompts (JSON/JSONL, .gz)")
@@ -68,8 +70,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.error("give RUN_DIR or --model (one of them)")
   if args.adapter and args.run_dir:
     parser.error("--adapter goes with --model; a RUN_DIR brings its own adapter")
-  if args.run_dir and (args.quantize is not None or args.quant_block_size is not None):
+  if args.run_dir and (args.quantize is not None or args.quant_block_size is not None or args.quantize_embeddings):
     parser.error("--quantize goes with --model; a RUN_DIR loads its base quantized as the run trained it")
+  if args.quantize_embeddings and args.quantize in (None, "none"):
+    parser.error("--quantize-embeddings goes with --quantize int8/nf4/int4/gguf")
   if args.quant_block_size is not None and args.quant_block_size < 1:
     parser.error("--quant-block-size must be >= 1")
   if (args.input is None) != (args.output is None):
@@ -85,14 +89,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 # Which model: a run directory (`run_files.resolve_run`), or --model [--adapter].
 
 
-def load(model_name: str, adapter: str | None, dtype: str, quantize: str = "none", quant_block_size: int = 64):
+def load(model_name: str, adapter: str | None, dtype: str, quantize: str = "none", quant_block_size: int = 64,
+         quantize_embeddings: bool = False):
   """(model, tokenizer) with the adapter applied (on the base quantized as the run trained it);
   ChatError on a missing or mismatched adapter."""
   from jaxsft import lora
 
   try:
     return lora.load_with_adapter(model_name, adapter, dtype=dtype, quantize=quantize,
-                                  quant_block_size=quant_block_size)
+                                  quant_block_size=quant_block_size, quantize_embeddings=quantize_embeddings)
   except ValueError as e:
     raise ChatError(str(e)) from None
 
@@ -102,9 +107,10 @@ def load_from_args(args):
     from jaxsft.run_files import resolve_run
 
     source = resolve_run(args.run_dir)
-    return load(source.model, source.adapter, args.dtype or source.dtype, source.quantize, source.quant_block_size)
+    return load(source.model, source.adapter, args.dtype or source.dtype, source.quantize, source.quant_block_size,
+                source.quantize_embeddings)
   return load(args.model, args.adapter, args.dtype or "float32", args.quantize or "none",
-              args.quant_block_size or 64)
+              args.quant_block_size or 64, bool(args.quantize_embeddings))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,9 +37,11 @@ class ModelConfig:
   dtype: str = "auto"
   """Compute and frozen-weight dtype: auto (bfloat16 on a GPU/TPU, float32 on a CPU), float32 or bfloat16; LoRA params and optimizer state stay float32."""
   quantize: str = "none"
-  """QLoRA: store the frozen base's projection kernels block-quantized and dequantize them inside the step, one layer at a time: none, int8, nf4 (QLoRA's NormalFloat), int4, or gguf (a .gguf model's own Q4_0/Q4_1/Q8_0 blocks, as llama.cpp serves them). Embeddings, LM head and norms stay in `dtype`; LoRA only (mode=full is refused)."""
+  """QLoRA: store the frozen base's projection kernels block-quantized and dequantize them inside the step, one layer at a time: none, int8, nf4 (QLoRA's NormalFloat), int4, or gguf (a .gguf model's own Q4_0/Q4_1/Q8_0 blocks, as llama.cpp serves them). Embeddings and LM head stay in `dtype` (see quantize_embeddings), norms too; LoRA only (mode=full is refused)."""
   quant_block_size: int = 64
   """Inputs per quantization block (one scale each) for int8/nf4/int4; gguf files fix theirs at 32."""
+  quantize_embeddings: bool = False
+  """With `quantize`: store the embedding table and LM head in the same format too (blocks along the hidden size; gguf: the file's own token_embd/output blocks). The lookup dequantizes the rows it takes, the LM head is dequantized whole for the logits. Off: they stay in `dtype`."""
   remat: str = "dots_no_batch"
   """What each decoder layer keeps for the backward pass, the rest recomputed: dots_no_batch (the projections' and the attention's outputs; attention scores, norms and activations recomputed: the fastest measured), dots (every matmul output, attention scores too), full (nothing: least memory, one more forward pass), none (all that JAX saves)."""
 

@@ -192,7 +192,8 @@ def check_out(out: pathlib.Path, sources: dict[str, str | None], overwrite: bool
 
 def export(model_name: str, adapter: str | None, out: str | pathlib.Path, *, fmt: str = "hf",
            dtype: str = "float32", overwrite: bool = False, max_shard_size: int | str = "5GB",
-           run_dir: str | None = None, quantize: str = "none", quant_block_size: int = 64) -> pathlib.Path:
+           run_dir: str | None = None, quantize: str = "none", quant_block_size: int = 64,
+           quantize_embeddings: bool = False) -> pathlib.Path:
   """Merge `adapter` into `model_name` and write it to `out` (see the module docstring)."""
   from jaxsft import io, lora, quant
   from jaxsft.models import hub
@@ -210,7 +211,8 @@ def export(model_name: str, adapter: str | None, out: str | pathlib.Path, *, fmt
     raise ExportError(f"cannot load model {model_name!r}: {e}") from None
   try:
     model, tokenizer = lora.load_with_adapter(model_name, adapter, dtype="float32", quantize=quantize,
-                                              quant_block_size=quant_block_size)
+                                              quant_block_size=quant_block_size,
+                                              quantize_embeddings=quantize_embeddings)
   except ValueError as e:
     raise ExportError(str(e)) from None
   quant.dequantize_model(model)  # merge into (and write) the base as the quantized run saw it
@@ -248,6 +250,9 @@ def main(argv=None) -> int:
                       help="the base as a run with this model.quantize sees it, dequantized (default: the run's, "
                            "or none)")
   parser.add_argument("--quant-block-size", type=int, default=None, help="model.quant_block_size of that run (64)")
+  parser.add_argument("--quantize-embeddings", action="store_true", default=None,
+                      help="model.quantize_embeddings of that run: the embeddings and LM head quantized too "
+                           "(default: the run's, or off)")
   args = parser.parse_args(argv)
   if (args.run_dir is None) == (args.model is None):
     parser.error("give RUN_DIR or --model (one of them)")
@@ -259,17 +264,21 @@ def main(argv=None) -> int:
 def _main(args) -> int:
   from jaxsft.run_files import resolve_run
 
-  quantize, block = "none", 64
+  quantize, block, embeddings = "none", 64, False
   if args.run_dir:
     source = resolve_run(args.run_dir)
     model_name, adapter = source.model, source.adapter
-    quantize, block = source.quantize, source.quant_block_size
+    quantize, block, embeddings = source.quantize, source.quant_block_size, source.quantize_embeddings
   else:
     model_name, adapter = args.model, args.adapter
   quantize = args.quantize or quantize
   block = args.quant_block_size or block
+  embeddings = args.quantize_embeddings or embeddings
+  if embeddings and quantize == "none":
+    raise ExportError("--quantize-embeddings needs --quantize (int8, nf4, int4 or gguf)")
   out = export(model_name, adapter, args.out, fmt=args.format, dtype=args.dtype, overwrite=args.overwrite,
-               max_shard_size=args.max_shard_size, run_dir=args.run_dir, quantize=quantize, quant_block_size=block)
+               max_shard_size=args.max_shard_size, run_dir=args.run_dir, quantize=quantize, quant_block_size=block,
+               quantize_embeddings=embeddings)
   size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
   print(f"wrote {out} ({args.format}, {args.dtype}, {size / 2**20:.1f} MiB)", file=sys.stderr)
   return 0

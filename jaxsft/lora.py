@@ -354,7 +354,7 @@ def _adapter_tensors_by_module(model, tensors: dict[str, np.ndarray], r: int, we
 
 
 def load_with_adapter(model_name: str, adapter: str | os.PathLike | None, *, dtype: str, quantize: str = "none",
-                      quant_block_size: int = 64):
+                      quant_block_size: int = 64, quantize_embeddings: bool = False):
   """(model, tokenizer) of `model_name` (its base stored as `quantize` says, see `jaxsft.quant`)
   with the PEFT adapter in `adapter` (None: no adapter) loaded onto it. A missing model, a folder
   that is not an adapter, or an adapter for another base raise ValueError with one line that
@@ -364,7 +364,8 @@ def load_with_adapter(model_name: str, adapter: str | os.PathLike | None, *, dty
   if adapter is not None and not (pathlib.Path(adapter) / ADAPTER_CONFIG).is_file():
     raise ValueError(f"{pathlib.Path(adapter) / ADAPTER_CONFIG} is missing: not a PEFT adapter directory")
   try:
-    model, tokenizer = models.load_model(model_name, dtype=dtype, quantize=quantize, quant_block_size=quant_block_size)
+    model, tokenizer = models.load_model(model_name, dtype=dtype, quantize=quantize, quant_block_size=quant_block_size,
+                                         quantize_embeddings=quantize_embeddings)
   except (FileNotFoundError, ValueError, KeyError) as e:
     raise ValueError(f"cannot load model {model_name!r}: {e}") from None
   if adapter is not None:

@@ -240,6 +240,7 @@ class RunSource:
   dtype: str
   quantize: str = "none"
   quant_block_size: int = 64
+  quantize_embeddings: bool = False
 
 
 def resolve_run(run_dir: str | os.PathLike) -> RunSource:
@@ -261,7 +262,7 @@ def resolve_run(run_dir: str | os.PathLike) -> RunSource:
   if not name:
     raise RunDirError(f"{files.config}: field model.name is missing")
   return RunSource(name, str(files.adapter), model_cfg.get("dtype", "float32"), model_cfg.get("quantize", "none"),
-                   model_cfg.get("quant_block_size", 64))
+                   model_cfg.get("quant_block_size", 64), bool(model_cfg.get("quantize_embeddings", False)))
 
 
 # ---------------------------------------------------------------------------------------------

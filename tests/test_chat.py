@@ -103,7 +103,9 @@ def test_sampling_is_seeded(tiny, run_cli):
 
 def test_quantize_loads_the_base_as_a_qlora_run_trained_the_adapter(tiny, run_cli):
   """--model --adapter --quantize nf4 replies as the adapter on the nf4 base does (not the float
-  base's reply), and a RUN_DIR, which brings its own quantization, refuses the flag."""
+  base's reply), --quantize-embeddings loads that base with nf4 embeddings too, and a RUN_DIR,
+  which brings its own quantization, refuses the flags."""
+  from jaxsft import chat, quant
   from jaxsft import lora
 
   messages = [{"role": "user", "content": "Hello there"}]
@@ -116,8 +118,15 @@ def test_quantize_loads_the_base_as_a_qlora_run_trained_the_adapter(tiny, run_cl
   assert r.stdout == want + "\n"
   float_reply = reply_to(tiny, messages)
   assert want != float_reply  # nf4 rounding moves this tiny random model's reply: the flag reached the load
+  for flags, tables in (([], False), (["--quantize-embeddings"], True)):
+    args = chat.parse_args(["--model", str(tiny["model_dir"]), "--adapter", str(tiny["adapter"]), "--quantize", "nf4",
+                            *flags, "--prompt", "hi"])
+    model, _ = chat.load_from_args(args)
+    assert quant.is_quantized(model) and quant.model.embeddings_quantized(model) == tables
   refused = chat_main(run_cli, tiny["run"], "--quantize", "nf4", "--prompt", "hi")
   assert refused.returncode == 2 and "--quantize goes with --model" in refused.stderr
+  refused = chat_main(run_cli, "--model", tiny["model_dir"], "--quantize-embeddings", "--prompt", "hi")
+  assert refused.returncode == 2 and "--quantize-embeddings goes with --quantize" in refused.stderr
 
 
 def test_bad_inputs_exit_2_with_a_clear_line(tiny, tmp_path, tokenizer, run_cli):

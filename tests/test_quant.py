@@ -57,6 +57,28 @@ def test_block_size_must_divide_the_input_size():
     formats.quantize(np.zeros((96, 8), np.float32), "nf4", 64)
 
 
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_a_quantized_embedding_table_reads_the_rows_it_looks_up(fmt):
+  """A table (V, H) stored as its (H, V) kernel: the whole table is the dequantized kernel's
+  transpose, and a lookup gathers the codes and scales of the ids' columns only, to the same
+  rows exactly."""
+  from jaxsft.quant.kernel import QuantizedKernel, table_rows, table_value
+
+  rng = np.random.default_rng(2)
+  table = rng.standard_normal((40, 96)).astype(np.float32)
+  q = formats.quantize(table.T, fmt, block=32)
+  variable = QuantizedKernel(jax.tree.map(jnp.asarray, q))
+  whole = np.asarray(table_value(variable, jnp.float32))
+  np.testing.assert_array_equal(whole, np.asarray(formats.dequantize(q)).T)
+  assert np.abs(whole - table).max() <= formats.error_bound(q).max() * (1 + 1e-6)
+  ids = jnp.asarray([[3, 0, 39, 3], [17, 17, 1, 2]])
+  rows = np.asarray(table_rows(variable, ids, jnp.float32))
+  assert rows.shape == (2, 4, 96)
+  np.testing.assert_array_equal(rows, whole[np.asarray(ids)])
+  picked = formats.take_columns(q, jnp.asarray([5, 1]))
+  assert picked.codes.shape == q.codes.shape[:-1] + (2,) and picked.scales.shape == q.scales.shape[:-1] + (2,)
+
+
 @pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q8_0"])
 def test_gguf_blocks_equal_the_gguf_package_dequantization(ggml_type):
   import gguf
@@ -113,22 +135,29 @@ def _loss_and_lora_grads(model, input_ids, labels):
 
 FAMILY_FORMATS = {"llama": "nf4", "qwen3": "int4", "gemma3_text": "int8", "smollm3": "nf4", "phi3": "int4",
                   "olmo2": "int8"}
+# embeddings and LM head quantized too: a tied table (llama), a scaled tied one (gemma) and an
+# untied head (phi3), one of each format; the other three keep them float32
+QUANTIZED_EMBEDDINGS = ("llama", "gemma3_text", "phi3")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILY_FORMATS))
 def test_quantized_path_equals_the_float_path_on_the_dequantized_weights(family):
   """Loss and LoRA gradients of a quantized base equal those of the same model with the
-  dequantized kernels as ordinary float32 params (the family's tiny model, highest precision)."""
+  dequantized kernels (and tables) as ordinary float32 params (the family's tiny model, highest
+  precision)."""
   config = dataclasses.replace(TINY if family == "llama" else family_config(family), vocab_size=SMALL_VOCAB)
   assert family == "llama" or family in FAMILY_CONFIGS
-  fmt = FAMILY_FORMATS[family]
+  fmt, embeddings = FAMILY_FORMATS[family], family in QUANTIZED_EMBEDDINGS
   model = decoder.init_random(config, seed=3)
-  quant.quantize_model(model, fmt, block=32)
-  assert quant.is_quantized(model)
+  quant.quantize_model(model, fmt, block=32, embeddings=embeddings)
+  assert quant.is_quantized(model) and quant.model.embeddings_quantized(model) == embeddings
+  if family == "phi3":
+    assert isinstance(model.lm_head, quant.QuantizedKernel)  # untied: its own quantized head
   _with_random_lora(model)
   dequantized = quant.dequantize_model(copy.deepcopy(model))
-  assert not quant.is_quantized(dequantized)
+  assert not quant.is_quantized(dequantized) and not quant.model.embeddings_quantized(dequantized)
+  assert dequantized.embed_tokens.shape == (SMALL_VOCAB, config.hidden_size)
 
   rng = np.random.default_rng(4)
   input_ids = jnp.asarray(rng.integers(3, 300, (2, 24)), jnp.int32)
@@ -161,9 +190,9 @@ def test_the_optimizer_sees_only_lora_params_and_the_base_is_stored_quantized():
   assert quant.tree_bytes(frozen) < float_bytes
 
 
-def _write_quantized_gguf(path, model, ggml_type):
+def _write_quantized_gguf(path, model, ggml_type, embedding_type="F32"):
   """The tiny Llama as a GGUF file whose projections are `ggml_type` blocks (q/k permuted as
-  llama.cpp does)."""
+  llama.cpp does) and whose token embeddings (and LM head) are `embedding_type`."""
   import gguf
   from gguf.quants import quantize
 
@@ -185,6 +214,10 @@ def _write_quantized_gguf(path, model, ggml_type):
   qtype = gguf.GGMLQuantizationType[ggml_type]
   for name, value in hf_weights.to_hf_state_dict(model).items():
     value = np.ascontiguousarray(value, np.float32)
+    if name in ("model.embed_tokens.weight", "lm_head.weight") and embedding_type != "F32":
+      embedding_qtype = gguf.GGMLQuantizationType[embedding_type]
+      writer.add_tensor(globals_[name], quantize(value, embedding_qtype), raw_dtype=embedding_qtype)
+      continue
     if name in globals_:
       writer.add_tensor(globals_[name], value)
       continue
@@ -209,16 +242,35 @@ def test_gguf_base_keeps_the_file_blocks_and_equals_the_dequantized_file(tmp_pat
   monkeypatch.setenv("JAXSFT_CACHE", str(tmp_path / "cache"))
   config = families.LlamaConfig(vocab_size=61, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                                 num_kv_heads=2, head_dim=16)
-  _write_quantized_gguf(tmp_path / "tiny.gguf", decoder.init_random(config, seed=5), "Q4_1")
+  _write_quantized_gguf(tmp_path / "tiny.gguf", decoder.init_random(config, seed=5), "Q4_1", "Q8_0")
   plain = loading.load_causal_lm(str(tmp_path / "tiny.gguf"))  # dequantized by gguf, float32
   blocks = loading.load_causal_lm(str(tmp_path / "tiny.gguf"), quantize="gguf")
-  assert blocks.quantize == "gguf"
+  assert blocks.quantize == "gguf" and not quant.model.embeddings_quantized(blocks)
   for (path, p), (_, b) in zip(quant.model.projections(plain), quant.model.projections(blocks)):
     assert isinstance(b.kernel, quant.QuantizedKernel) and b.kernel.get_value().format == "q4_1"
     np.testing.assert_array_equal(np.asarray(quant.kernel_value(b.kernel, jnp.float32)), np.asarray(p.kernel[...]),
                                   err_msg=path)
+  # the token embeddings' own Q8_0 blocks too: token v's row is column v of the (H, V) kernel
+  with_table = loading.load_causal_lm(str(tmp_path / "tiny.gguf"), quantize="gguf", quantize_embeddings=True)
+  table = with_table.embed_tokens.get_value()
+  assert isinstance(table, formats.QuantizedTensor) and table.format == "int8" and table.shape == (64, 61)
+  assert with_table.lm_head.get_value().format == "int8"  # this config's head is not tied
+  np.testing.assert_array_equal(np.asarray(quant.kernel.table_value(with_table.embed_tokens, jnp.float32)),
+                                np.asarray(plain.embed_tokens[...]))
   x = jnp.asarray([[1, 5, 9, 17, 33, 60]])
   np.testing.assert_array_equal(np.asarray(blocks(x)), np.asarray(plain(x)))
+  np.testing.assert_array_equal(np.asarray(with_table(x)), np.asarray(plain(x)))
+
+
+def test_gguf_embeddings_of_another_block_type_are_refused_naming_the_tensor(tmp_path, monkeypatch):
+  monkeypatch.setenv("JAXSFT_CACHE", str(tmp_path / "cache"))
+  config = families.LlamaConfig(vocab_size=61, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4,
+                                num_kv_heads=2, head_dim=16)
+  _write_quantized_gguf(tmp_path / "tiny.gguf", decoder.init_random(config, seed=5), "Q8_0")  # F32 embeddings
+  assert loading.load_causal_lm(str(tmp_path / "tiny.gguf"), quantize="gguf").quantize == "gguf"
+  with pytest.raises(ValueError, match=r"tiny.gguf: GGUF tensor 'token_embd.weight' is F32.*"
+                                       r"set model.quantize_embeddings=false"):
+    loading.load_causal_lm(str(tmp_path / "tiny.gguf"), quantize="gguf", quantize_embeddings=True)
 
 
 def test_gguf_quantize_needs_a_gguf_file_and_a_known_format(tmp_path):
@@ -239,13 +291,14 @@ def tiny_dir(tmp_path_factory, tokenizer):
 @pytest.mark.slow
 def test_nf4_run_trains_resumes_and_reports_the_base_bytes(tiny_dir, tmp_path, monkeypatch):
   from jaxsft.data import synthetic
+  from jaxsft.run_files import resolve_run
   from jaxsft.train import main
 
   monkeypatch.setenv("HF_HUB_OFFLINE", "1")
   data = synthetic.write_jsonl(synthetic.make_dataset(64, seed=1), tmp_path / "tasks.jsonl")
   out = tmp_path / "run"
   args = ["--model", str(tiny_dir), "--data", str(data), "--output-dir", str(out), "--lr", "2e-3",
-          "--model.quantize", "nf4", "data.num_buckets=1", "data.batch_size=8", "data.tokens_per_batch=none",
+          "--model.quantize", "nf4", "model.quantize_embeddings=true", "data.num_buckets=1", "data.batch_size=8", "data.tokens_per_batch=none",
           "data.max_val_examples=8", "eval.generate=false", "eval.eval_every=0", "save_every=2", "data.time_shapes=false",
           "--no-progress"]
   assert main([*args, "max_steps=2"]) == 0
@@ -255,11 +308,13 @@ def test_nf4_run_trains_resumes_and_reports_the_base_bytes(tiny_dir, tmp_path, m
   assert steps == [1, 2, 3, 4] and all(np.isfinite(line["loss"]) for line in lines if "loss" in line)
   summary = json.loads((out / "summary.json").read_text())
   config = next(line for line in lines if line.get("event") == "config")
-  # embeddings (49,152 × 64) and norms in float32, the 2 layers' 7 kernels at 4 bits + a float32 scale per 64
-  embed_bytes = TINY.vocab_size * TINY.hidden_size * 4
-  kernels = TINY.num_layers * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128)
+  source = resolve_run(out)  # what chat and export load: the base quantized as the run trained it
+  assert (source.quantize, source.quantize_embeddings) == ("nf4", True)
+  # the (tied) embeddings (49,152 × 64) and the 2 layers' 7 kernels at 4 bits + a float32 scale per
+  # 64, the norms in float32
+  weights = TINY.vocab_size * TINY.hidden_size + TINY.num_layers * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128)
   norms = (2 * TINY.num_layers + 1) * 64 * 4
-  assert summary["base_param_bytes"] == config["base_param_bytes"] == embed_bytes + norms + kernels // 2 + kernels // 64 * 4
+  assert summary["base_param_bytes"] == config["base_param_bytes"] == norms + weights // 2 + weights // 64 * 4
   r = 16  # the embedded default: rank 16 on all seven projections, (in + out) · r float32 each
   in_plus_out = (64 + 64) + 2 * (64 + 32) + (64 + 64) + 3 * (64 + 128)
   assert summary["trainable_param_bytes"] == TINY.num_layers * 4 * r * in_plus_out
@@ -271,24 +326,31 @@ def test_full_mode_with_a_quantized_base_is_refused(tiny_dir, tmp_path, capsys):
   out = tmp_path / "never"
   assert main(["--model", str(tiny_dir), "--output-dir", str(out), "--model.quantize", "int8", "mode=full"]) == 2
   assert "model.quantize=int8" in capsys.readouterr().err and not out.exists()
+  assert main(["--model", str(tiny_dir), "--output-dir", str(out), "model.quantize_embeddings=true"]) == 2
+  assert "model.quantize_embeddings=true needs a model.quantize format" in capsys.readouterr().err
+  assert not out.exists()
 
 
-def test_export_writes_the_base_a_quantized_run_sees(tiny_dir, tmp_path):
+@pytest.mark.parametrize("embeddings", [False, True])
+def test_export_writes_the_base_a_quantized_run_sees(tiny_dir, tmp_path, embeddings):
   from safetensors.numpy import load_file
 
   from jaxsft import export
 
   out = tmp_path / "nf4-base"
-  assert export.main(["--model", str(tiny_dir), "--quantize", "nf4", "--out", str(out)]) == 0
+  flags = ["--quantize-embeddings"] if embeddings else []
+  assert export.main(["--model", str(tiny_dir), "--quantize", "nf4", *flags, "--out", str(out)]) == 0
   written = load_file(str(out / "model.safetensors"))
   original = load_file(str(tiny_dir / "model.safetensors"))
   assert sorted(written) == sorted(original)
+  quantized = ("proj.weight", "embed_tokens.weight") if embeddings else ("proj.weight",)
   for name, value in original.items():
-    if name.endswith("proj.weight"):  # (out, in): the kernel is its transpose, blocked along in
+    # (out, in): the kernel is its transpose, blocked along in; the table (V, H) is stored (H, V)
+    if name.endswith(quantized):
       expected = formats.dequantize(formats.quantize(value.T, "nf4", 64), np.float32, xp=np).T
       np.testing.assert_array_equal(written[name], expected, err_msg=name)
       assert not np.array_equal(written[name], value)
-    else:  # embeddings and norms are not quantized
+    else:  # norms (and, unless asked, the embeddings) are not quantized
       np.testing.assert_array_equal(written[name], value, err_msg=name)
 
 
@@ -328,7 +390,7 @@ def _worker_fsdp_quantized(out_path):
   from benchmarks import common
 
   config = dataclasses.replace(TINY, vocab_size=SMALL_VOCAB)
-  model = quant.quantize_model(decoder.init_random(config, seed=7), "nf4", block=32)
+  model = quant.quantize_model(decoder.init_random(config, seed=7), "nf4", block=32, embeddings=True)
   rng = np.random.default_rng(8)
   ids = rng.integers(3, SMALL_VOCAB, (2, 32)).astype(np.int32)
   labels = ids.copy()
@@ -364,5 +426,6 @@ def test_a_quantized_base_shards_over_fsdp_with_the_same_loss(tmp_path):
                      timeout=600, cwd=pathlib.Path(__file__).resolve().parents[1], env=env)
   assert r.returncode == 0, r.stderr[-3000:]
   result = json.loads((tmp_path / "out.json").read_text())
-  assert result["split"] and all(result["split"])  # every kernel's codes really split over the 2 devices
+  # every kernel's codes, and the embedding table's, really split over the 2 devices
+  assert len(result["split"]) == 7 + 1 and all(result["split"])
   np.testing.assert_allclose(result["sharded"], result["reference"], rtol=1e-5)

@@ -39,7 +39,7 @@ from jaxsft.models.attention import (ATTENTION, ATTENTION_RESIDUALS, KVCache, at
                                      cache_attention_mask, self_attention)
 from jaxsft.models.families import LlamaConfig
 from jaxsft.models.rope import apply_rope, rope_inv_freq, rope_tables
-from jaxsft.quant.kernel import kernel_value
+from jaxsft.quant.kernel import kernel_value, table_rows, table_value
 
 
 def resolve_dtype(dtype) -> jnp.dtype:
@@ -354,8 +354,8 @@ class CausalLM(nnx.Module):
         nnx.initializers.normal(0.02)(rngs.params(), (config.vocab_size, config.hidden_size), dtype))
 
   def output_embedding(self) -> jax.Array:
-    """(V, H): the LM head (the input embedding when tied)."""
-    return (self.embed_tokens if self.lm_head is None else self.lm_head)[...]
+    """(V, H): the LM head (the input embedding when tied), dequantized when quantized."""
+    return table_value(self.embed_tokens if self.lm_head is None else self.lm_head, self.dtype)
 
   def hidden_states(self, input_ids, attention_mask=None, positions=None, segment_ids=None, *,
                     dropout_rng=None) -> jax.Array:
@@ -389,7 +389,7 @@ class CausalLM(nnx.Module):
 
   def embed(self, input_ids) -> jax.Array:
     """Input embeddings (B, T, H); Gemma scales them by √hidden (in the compute dtype, as HF)."""
-    h = jnp.take(self.embed_tokens[...], input_ids, axis=0)
+    h = table_rows(self.embed_tokens, jnp.asarray(input_ids), self.dtype)
     if self.config.scale_embeddings:
       h = h * jnp.asarray(self.config.hidden_size ** 0.5, jnp.float32).astype(h.dtype)
     return h

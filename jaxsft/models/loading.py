@@ -26,7 +26,7 @@ _CACHE_FORMAT = "2"
 
 def load_model(name_or_path: str, *, dtype: str = "float32", attention: str = "xla",
                remat: str | Callable | None = decoder.DEFAULT_REMAT, quantize: str = "none",
-               quant_block_size: int = 64):
+               quant_block_size: int = 64, quantize_embeddings: bool = False):
   """`(model, tokenizer)` for a short name, HF directory, hub id or `.gguf` file.
 
   Args:
@@ -36,16 +36,18 @@ def load_model(name_or_path: str, *, dtype: str = "float32", attention: str = "x
     quantize, quant_block_size: store the projection kernels block-quantized (`jaxsft.quant`):
       none, int8, nf4, int4 (blocks of `quant_block_size` inputs) or gguf (a GGUF file's own
       Q4_0 / Q4_1 / Q8_0 blocks).
+    quantize_embeddings: the embedding table and LM head too (gguf: the file's own blocks of
+      `token_embd` and `output`).
   """
   source = resolve_model(name_or_path)
   model = load_causal_lm(source, dtype=dtype, attention=attention, remat=remat, quantize=quantize,
-                         quant_block_size=quant_block_size)
+                         quant_block_size=quant_block_size, quantize_embeddings=quantize_embeddings)
   return model, load_tokenizer(source)
 
 
 def load_causal_lm(source: ModelSource | str, *, dtype: str = "float32", attention: str = "xla",
                    remat: str | Callable | None = decoder.DEFAULT_REMAT, quantize: str = "none",
-                   quant_block_size: int = 64) -> decoder.CausalLM:
+                   quant_block_size: int = 64, quantize_embeddings: bool = False) -> decoder.CausalLM:
   """The model alone (no tokenizer): `load_model` without the tokenizer files."""
   from jaxsft import quant
 
@@ -66,9 +68,9 @@ def load_causal_lm(source: ModelSource | str, *, dtype: str = "float32", attenti
                                    remat=remat)
   model.name_or_path = source.name  # recorded as base_model_name_or_path in adapter configs
   if quantize == "gguf":
-    quant.load_gguf_blocks(model, pathlib.Path(source.path) / source.gguf_file)
+    quant.load_gguf_blocks(model, pathlib.Path(source.path) / source.gguf_file, embeddings=quantize_embeddings)
   elif quantize != "none":
-    quant.quantize_model(model, quantize, quant_block_size)
+    quant.quantize_model(model, quantize, quant_block_size, embeddings=quantize_embeddings)
   return model
 
 

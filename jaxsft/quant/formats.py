@@ -152,6 +152,13 @@ def dequantize(q: QuantizedTensor, dtype=jnp.float32, xp=jnp):
   return w.reshape(*lead, rows, out).astype(dtype)
 
 
+def take_columns(q: QuantizedTensor, index) -> QuantizedTensor:
+  """The output columns `index` (an int array of shape (n,)) of `q`: a (..., in, n) tensor.
+  Every array of `q` keeps the output axis last, so the gather touches n columns of codes
+  and scales only (an embedding lookup dequantizes the looked-up rows, not the table)."""
+  return jax.tree.map(lambda x: jnp.take(x, index, axis=-1), q)
+
+
 def error_bound(q: QuantizedTensor, xp=np):
   """The largest |w - ŵ| the format allows per block (..., in/block, 1, out) for the w that gave `q`."""
   scale = xp.abs(q.scales)

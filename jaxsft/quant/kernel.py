@@ -1,6 +1,11 @@
-"""The quantized-kernel variable and its read: all that a model's projection needs of
-`jaxsft.quant` (`jaxsft.quant.model` quantizes a whole model; it builds on the model, which
-builds on this)."""
+"""The quantized-kernel variable and its reads: all that a model's projections, embeddings and
+LM head need of `jaxsft.quant` (`jaxsft.quant.model` quantizes a whole model; it builds on the
+model, which builds on this).
+
+A quantized embedding table (V, H) is stored as the kernel of the LM head's matmul, (H, V):
+blocks run along the hidden size of one token's row, as a GGUF's `token_embd` blocks do, so
+`h @ kernel` gives the logits and column v is token v's embedding.
+"""
 
 from __future__ import annotations
 
@@ -21,3 +26,21 @@ def kernel_value(variable: nnx.Variable, dtype) -> jax.Array:
   if isinstance(value, QuantizedTensor):
     return formats.dequantize(value, dtype)
   return value
+
+
+def table_value(variable: nnx.Variable, dtype) -> jax.Array:
+  """An embedding table (V, H) as a float array (a quantized one is stored (H, V))."""
+  value = variable.get_value()
+  if isinstance(value, QuantizedTensor):
+    return formats.dequantize(value, dtype).T
+  return value
+
+
+def table_rows(variable: nnx.Variable, ids: jax.Array, dtype) -> jax.Array:
+  """Rows `ids` (any shape) of an embedding table: (*ids.shape, H). A quantized table
+  dequantizes only the rows looked up."""
+  value = variable.get_value()
+  if not isinstance(value, QuantizedTensor):
+    return jax.numpy.take(value, ids, axis=0)
+  columns = formats.dequantize(formats.take_columns(value, ids.reshape(-1)), dtype)  # (H, n)
+  return columns.T.reshape(*ids.shape, columns.shape[0])

@@ -5,8 +5,10 @@ as a `QuantizedKernel` variable holding a `QuantizedTensor`; `Linear` dequantize
 (`kernel_value`), inside the scanned and rematerialized layer body, so only one layer's float
 kernel exists at a time in the forward and in the backward pass. `QuantizedKernel` is not an
 `nnx.Param`: the trainer's `nnx.split(model, nnx.LoRAParam, ...)` puts it with the frozen
-state, and the optimizer never sees it. Embeddings, LM head, norms and biases stay in the
-compute dtype; LoRA factors stay float32.
+state, and the optimizer never sees it. The embedding table and LM head are quantized too when
+asked (`embeddings=True`, `model.quantize_embeddings`): the lookup dequantizes the rows it
+takes, the LM head is dequantized whole for the logits. Norms and biases stay in the compute
+dtype (a few thousand weights a layer); LoRA factors stay float32.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from flax import nnx
 
 from jaxsft.quant import formats
 from jaxsft.quant.formats import QuantizedTensor
-from jaxsft.quant.kernel import QuantizedKernel, kernel_value
+from jaxsft.quant.kernel import QuantizedKernel, kernel_value, table_value
 
 QUANTIZE_CHOICES = ("none", "int8", "nf4", "int4", "gguf")
 """`model.quantize`: none, a `jaxsft.quant.formats` format made at load time, or gguf (the
@@ -33,6 +35,15 @@ def projections(model):
           if isinstance(module, Linear)]
 
 
+def tables(model):
+  """(name, variable) of `model`'s embedding table and, when not tied, its LM head."""
+  return [("embed_tokens", model.embed_tokens)] + ([] if model.lm_head is None else [("lm_head", model.lm_head)])
+
+
+def embeddings_quantized(model) -> bool:
+  return isinstance(model.embed_tokens, QuantizedKernel)
+
+
 def is_quantized(model) -> bool:
   return any(isinstance(proj.kernel, QuantizedKernel) for _, proj in projections(model))
 
@@ -43,14 +54,24 @@ def set_quantized(proj, q: QuantizedTensor) -> None:
   proj.kernel = QuantizedKernel(jax.tree.map(jnp.asarray, q))
 
 
-def quantize_model(model, format: str, block: int = 64):
-  """Quantize every projection kernel of `model` IN PLACE (`formats.quantize`); returns `model`."""
+def quantize_model(model, format: str, block: int = 64, *, embeddings: bool = False):
+  """Quantize every projection kernel of `model` IN PLACE (`formats.quantize`); returns `model`.
+
+  `embeddings`: the embedding table and the LM head too, each stored (H, V) with blocks along
+  the hidden size (`jaxsft.quant.kernel`)."""
   for path, proj in projections(model):
     try:
       q = formats.quantize(np.asarray(proj.kernel[...], np.float32), format, block)
     except ValueError as e:
       raise ValueError(f"model.quantize={format}: layers.{path}.kernel {tuple(proj.kernel.shape)}: {e}") from None
     set_quantized(proj, q)
+  if embeddings:
+    for name, table in tables(model):
+      try:
+        q = formats.quantize(np.asarray(table[...], np.float32).T, format, block)
+      except ValueError as e:
+        raise ValueError(f"model.quantize={format}: {name} {tuple(table.shape)}: {e}") from None
+      setattr(model, name, QuantizedKernel(jax.tree.map(jnp.asarray, q)))
   model.quantize = format
   return model
 
@@ -61,15 +82,20 @@ def dequantize_model(model):
   for _, proj in projections(model):
     if isinstance(proj.kernel, QuantizedKernel):
       proj.kernel = nnx.Param(kernel_value(proj.kernel, model.dtype))
+  for name, table in tables(model):
+    if isinstance(table, QuantizedKernel):
+      setattr(model, name, nnx.Param(table_value(table, model.dtype)))
   model.quantize = "none"
   return model
 
 
-def load_gguf_blocks(model, gguf_path: str) -> None:
+def load_gguf_blocks(model, gguf_path: str, *, embeddings: bool = False) -> None:
   """Replace `model`'s projection kernels with the GGUF file's own blocks, IN PLACE.
 
   Every layer of a projection must hold the same block type; any other type is refused
-  naming the tensor and its type (`jaxsft.quant.gguf.gguf_blocks`).
+  naming the tensor and its type (`jaxsft.quant.gguf.gguf_blocks`). `embeddings`: the
+  file's `token_embd` (and `output`, when not tied) blocks too: ggml's rows (ne[0] = H) are
+  one token's embedding, so they are the (H, V) kernel `jaxsft.quant.kernel` stores.
   """
   from gguf import GGUFReader
 
@@ -98,15 +124,25 @@ def load_gguf_blocks(model, gguf_path: str) -> None:
       raise ValueError(f"{gguf_path}: blk.*.{name}.weight mixes block types across layers ({sorted(kinds)}); "
                        f"model.quantize=gguf needs one per projection")
     set_quantized(proj, gguf_quant.stack(layers))
+  if embeddings:
+    for name, table in tables(model):
+      tensor = tensors["token_embd.weight" if name == "embed_tokens" else "output.weight"]
+      if tensor.tensor_type.name not in gguf_quant.GGUF_BLOCK_TYPES:
+        raise ValueError(f"{gguf_path}: GGUF tensor {tensor.name!r} is {tensor.tensor_type.name}; "
+                         f"model.quantize_embeddings with model.quantize=gguf keeps only "
+                         f"{sorted(gguf_quant.GGUF_BLOCK_TYPES)} blocks (set model.quantize_embeddings=false)")
+      q = gguf_quant.gguf_blocks(tensor)
+      setattr(model, name, QuantizedKernel(jax.tree.map(jnp.asarray, q)))
   model.quantize = "gguf"
 
 
 def init_random_quantized(config, format: str, *, block: int = 64, dtype="bfloat16", seed: int = 0,
-                          abstract: bool = False, **kwargs):
+                          abstract: bool = False, embeddings: bool = False, **kwargs):
   """A random-weight `CausalLM` whose projection kernels are DRAWN quantized (random codes,
   scales around a 0.02-std weight's block maximum): no float copy of the kernels ever exists,
-  so an 8B base fits where its float32 weights would not. Embeddings, LM head and biases are
-  N(0, 0.02²) in `dtype`, norm weights 1 (benchmarks and memory checks of real shapes).
+  so an 8B base fits where its float32 weights would not. Embeddings and LM head are drawn
+  the same way with `embeddings`, else N(0, 0.02²) in `dtype` like the biases; norm weights 1
+  (benchmarks and memory checks of real shapes).
 
   Drawn with numpy straight into the stored dtypes, one array at a time (a jax draw of 8-bit
   codes makes 32-bit words first); `abstract`: shapes and dtypes only (`jax.ShapeDtypeStruct`),
@@ -127,16 +163,24 @@ def init_random_quantized(config, format: str, *, block: int = 64, dtype="bfloat
 
   max_abs = 0.06  # ~3 standard deviations of N(0, 0.02²)
   scale = {"int8": max_abs / 127, "int4": max_abs / 7, "nf4": max_abs}[format]
+  def draw_quantized(*lead, rows, out):
+    code_rows, code_dtype = (rows, np.int8) if format == "int8" else (rows // 2, np.uint8)
+    codes = draw((*lead, code_rows, out), code_dtype,
+                 lambda s: rng.integers(0, 256, s, dtype=np.uint8).view(code_dtype))
+    scales = draw((*lead, rows // block, out), np.float32,
+                  lambda s: (rng.uniform(0.5, 1.5, s) * scale).astype(np.float32))
+    return QuantizedKernel(QuantizedTensor(codes=codes, scales=scales, format=format, block=block))
+
   kernels = set()
   for _, proj in projections(model):
     layers, rows, out = proj.kernel.shape
-    code_rows, code_dtype = (rows, np.int8) if format == "int8" else (rows // 2, np.uint8)
-    codes = draw((layers, code_rows, out), code_dtype,
-                 lambda s: rng.integers(0, 256, s, dtype=np.uint8).view(code_dtype))
-    scales = draw((layers, rows // block, out), np.float32,
-                  lambda s: (rng.uniform(0.5, 1.5, s) * scale).astype(np.float32))
-    proj.kernel = QuantizedKernel(QuantizedTensor(codes=codes, scales=scales, format=format, block=block))
+    proj.kernel = draw_quantized(layers, rows=rows, out=out)
     kernels.add(id(proj.kernel))
+  if embeddings:
+    for name, table in tables(model):
+      vocab, hidden = table.shape
+      setattr(model, name, draw_quantized(rows=hidden, out=vocab))
+      kernels.add(id(getattr(model, name)))
   for path, variable in nnx.iter_graph(model):
     if not isinstance(variable, nnx.Param) or id(variable) in kernels:
       continue
