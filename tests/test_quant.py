@@ -356,20 +356,24 @@ def test_export_writes_the_base_a_quantized_run_sees(tiny_dir, tmp_path, embeddi
 
 @pytest.mark.slow
 def test_real_smollm2_gguf_blocks_equal_their_dequantized_float_path(smollm2_jax):
-  """The real SmolLM2: its GGUF Q4_1 blocks dequantize to exactly the weights the plain loader
-  reads (gguf's own dequantization), and the loss and LoRA gradients of the gguf base equal
-  those of the float32 path on the dequantized weights (nf4 and the others: the tiny models)."""
+  """The real SmolLM2: its GGUF Q4_1 blocks (and Q8_0 token embeddings) dequantize to exactly the
+  weights the plain loader reads (gguf's own dequantization), and the loss and LoRA gradients of
+  the gguf base equal those of the float32 path on the dequantized weights (nf4 and the others:
+  the tiny models)."""
   plain = smollm2_jax  # read only
   rng = np.random.default_rng(6)
   input_ids = jnp.asarray(rng.integers(3, 49152, (1, 32)), jnp.int32)
   labels = input_ids.at[:, :8].set(-100)
   for fmt in ("gguf",):
-    model = loading.load_causal_lm("smollm2-135m-instruct", dtype="float32", quantize=fmt)
+    model = loading.load_causal_lm("smollm2-135m-instruct", dtype="float32", quantize=fmt, quantize_embeddings=True)
     if fmt == "gguf":
       for (path, p), (_, q) in zip(quant.model.projections(plain), quant.model.projections(model)):
         assert q.kernel.get_value().format == "q4_1"
         np.testing.assert_array_equal(np.asarray(quant.kernel_value(q.kernel, jnp.float32)), np.asarray(p.kernel[...]),
                                       err_msg=path)
+      assert model.embed_tokens.get_value().format == "int8" and model.lm_head is None  # Q8_0, tied
+      np.testing.assert_array_equal(np.asarray(quant.kernel.table_value(model.embed_tokens, jnp.float32)),
+                                    np.asarray(plain.embed_tokens[...]))
     _with_random_lora(model)
     dequantized = quant.dequantize_model(copy.deepcopy(model))
     with jax.default_matmul_precision("highest"):

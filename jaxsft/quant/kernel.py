@@ -29,10 +29,14 @@ def kernel_value(variable: nnx.Variable, dtype) -> jax.Array:
 
 
 def table_value(variable: nnx.Variable, dtype) -> jax.Array:
-  """An embedding table (V, H) as a float array (a quantized one is stored (H, V))."""
+  """An embedding table (V, H) as a float array (a quantized one is stored (H, V)).
+
+  The dequantized table is materialized as (V, H) (`optimization_barrier`): otherwise XLA folds
+  the transpose into the LM head's matmuls, which then sum in another order than on a float
+  table, and the loss and gradients stop equalling the float path's on the same weights."""
   value = variable.get_value()
   if isinstance(value, QuantizedTensor):
-    return formats.dequantize(value, dtype).T
+    return jax.lax.optimization_barrier(formats.dequantize(value, dtype).T)
   return value
 
 
