@@ -36,8 +36,11 @@ def test_round_trip_error_is_within_the_format_bound(fmt):
   assert np.all(err <= bound), f"{fmt}: {np.max(err - bound)} over the bound"
   np.testing.assert_array_equal(back[0, :64, 0], 0.0)
   assert np.mean(np.abs(back - w)) > 0  # it did quantize
-  # numpy and jax dequantize identically (export uses one, the step the other)
+  # numpy and jax dequantize identically (export uses one, the step the other), and so does the
+  # transposed layout (an embedding table's) element by element
   np.testing.assert_array_equal(formats.dequantize(q, np.float32, xp=np), back)
+  np.testing.assert_array_equal(np.asarray(formats.dequantize(q, transposed=True)), np.swapaxes(back, -1, -2))
+  np.testing.assert_array_equal(formats.dequantize(q, np.float32, xp=np, transposed=True), np.swapaxes(back, -1, -2))
   bits = {"int8": 8, "int4": 4, "nf4": 4, "q4_1": 4}[fmt]
   assert q.codes.nbytes == w.size * bits // 8
 

@@ -90,11 +90,13 @@ def pack_nibbles(codes: np.ndarray) -> np.ndarray:
   return (codes[..., 0::2, :] | (codes[..., 1::2, :] << 4)).astype(np.uint8)
 
 
-def unpack_nibbles(packed, xp=jnp):
-  """The inverse of `pack_nibbles` (jax or numpy)."""
+def unpack_nibbles(packed, xp=jnp, axis: int = -2):
+  """The inverse of `pack_nibbles` (jax or numpy); `axis=-1`: of its transpose, (..., out, in/2)
+  -> (..., out, in)."""
   low, high = packed & 0x0F, packed >> 4
-  *lead, half, out = packed.shape
-  return xp.stack([low, high], axis=-2).reshape(*lead, 2 * half, out)
+  shape = list(packed.shape)
+  shape[axis] *= 2
+  return xp.stack([low, high], axis=axis).reshape(shape)
 
 
 def _safe(scale: np.ndarray) -> np.ndarray:
@@ -132,24 +134,40 @@ def quantize(w, format: str, block: int = 64) -> QuantizedTensor:
                          format=format, block=block)
 
 
-def dequantize(q: QuantizedTensor, dtype=jnp.float32, xp=jnp):
-  """ŵ (..., in, out) in float32, cast to `dtype`; `xp` is jax.numpy (in the step) or numpy."""
+def dequantize(q: QuantizedTensor, dtype=jnp.float32, xp=jnp, *, transposed: bool = False):
+  """ŵ (..., in, out) in float32, cast to `dtype`; `xp` is jax.numpy (in the step) or numpy.
+
+  `transposed`: ŵᵀ (..., out, in), computed in that layout from the transposed codes and scales
+  (the same float32 operations element by element, so it equals `dequantize(q).T` bit for bit)
+  without ŵ ever being materialized: what an embedding table stored as its LM head's kernel
+  needs (`jaxsft.quant.kernel`)."""
+  codes, scales, offsets = q.codes, q.scales, q.offsets
+  axis = -1 if transposed else -2
+  if transposed:
+    codes, scales = xp.swapaxes(codes, -1, -2), xp.swapaxes(scales, -1, -2)
+    offsets = None if offsets is None else xp.swapaxes(offsets, -1, -2)
   if q.format == "int8":
-    values = q.codes.astype(xp.float32)
+    values = codes.astype(xp.float32)
   else:
-    codes = unpack_nibbles(q.codes, xp)
+    codes = unpack_nibbles(codes, xp, axis)
     if q.format == "nf4":
       values = xp.asarray(NF4_CODE)[codes.astype(xp.int32)]
     elif q.format == "int4":
       values = codes.astype(xp.int8).astype(xp.float32) - xp.float32(8)
     else:
       values = codes.astype(xp.float32)
-  *lead, rows, out = values.shape
-  blocks = values.reshape(*lead, rows // q.block, q.block, out)
-  w = blocks * q.scales[..., :, None, :].astype(xp.float32)  # GGUF's float16 scales widen exactly
-  if q.offsets is not None:
-    w = w + q.offsets[..., :, None, :].astype(xp.float32)
-  return w.reshape(*lead, rows, out).astype(dtype)
+  shape = values.shape
+  if transposed:  # (..., out, in/block, block): one scale per row of a block
+    blocks = values.reshape(*shape[:-1], shape[-1] // q.block, q.block)
+    w = blocks * scales[..., :, :, None].astype(xp.float32)
+    if offsets is not None:
+      w = w + offsets[..., :, :, None].astype(xp.float32)
+  else:  # (..., in/block, block, out)
+    blocks = values.reshape(*shape[:-2], shape[-2] // q.block, q.block, shape[-1])
+    w = blocks * scales[..., :, None, :].astype(xp.float32)  # GGUF's float16 scales widen exactly
+    if offsets is not None:
+      w = w + offsets[..., :, None, :].astype(xp.float32)
+  return w.reshape(shape).astype(dtype)
 
 
 def take_columns(q: QuantizedTensor, index) -> QuantizedTensor:

@@ -31,12 +31,14 @@ def kernel_value(variable: nnx.Variable, dtype) -> jax.Array:
 def table_value(variable: nnx.Variable, dtype) -> jax.Array:
   """An embedding table (V, H) as a float array (a quantized one is stored (H, V)).
 
-  The dequantized table is materialized as (V, H) (`optimization_barrier`): otherwise XLA folds
-  the transpose into the LM head's matmuls, which then sum in another order than on a float
-  table, and the loss and gradients stop equalling the float path's on the same weights."""
+  A quantized table is dequantized straight into (V, H), the layout of a float table, and
+  materialized once (`optimization_barrier`): with a transpose of the (H, V) result XLA folds
+  it into the LM head's matmuls, which then sum in another order than on a float table (the
+  loss and gradients stop equalling the float path's on the same weights), and without the
+  barrier it fuses the dequantization into every chunk's matmul."""
   value = variable.get_value()
   if isinstance(value, QuantizedTensor):
-    return jax.lax.optimization_barrier(formats.dequantize(value, dtype).T)
+    return jax.lax.optimization_barrier(formats.dequantize(value, dtype, transposed=True))
   return value
 
 
@@ -46,5 +48,5 @@ def table_rows(variable: nnx.Variable, ids: jax.Array, dtype) -> jax.Array:
   value = variable.get_value()
   if not isinstance(value, QuantizedTensor):
     return jax.numpy.take(value, ids, axis=0)
-  columns = formats.dequantize(formats.take_columns(value, ids.reshape(-1)), dtype)  # (H, n)
-  return columns.T.reshape(*ids.shape, columns.shape[0])
+  rows = formats.dequantize(formats.take_columns(value, ids.reshape(-1)), dtype, transposed=True)  # (n, H)
+  return rows.reshape(*ids.shape, rows.shape[-1])
