@@ -279,6 +279,8 @@ def test_gguf_embeddings_of_another_block_type_are_refused_naming_the_tensor(tmp
 def test_gguf_quantize_needs_a_gguf_file_and_a_known_format(tmp_path):
   with pytest.raises(ValueError, match="quantize must be one of"):
     loading.load_causal_lm("smollm2-135m-instruct", quantize="fp8")
+  with pytest.raises(ValueError, match="quantize_embeddings needs a quantize format"):
+    loading.load_causal_lm("smollm2-135m-instruct", quantize_embeddings=True)
   (tmp_path / "config.json").write_text(json.dumps(families.to_hf_config(TINY)))
   with pytest.raises(ValueError, match="is not a .gguf file"):
     loading.load_causal_lm(str(tmp_path), quantize="gguf")

@@ -53,6 +53,8 @@ def load_causal_lm(source: ModelSource | str, *, dtype: str = "float32", attenti
 
   if quantize not in quant.QUANTIZE_CHOICES:
     raise ValueError(f"quantize must be one of {list(quant.QUANTIZE_CHOICES)}, got {quantize!r}")
+  if quantize_embeddings and quantize == "none":
+    raise ValueError("quantize_embeddings needs a quantize format (int8, nf4, int4 or gguf) to store them in")
   if isinstance(source, str):
     source = resolve_model(source)
   if quantize == "gguf" and source.gguf_file is None:

@@ -157,16 +157,11 @@ def dequantize(q: QuantizedTensor, dtype=jnp.float32, xp=jnp, *, transposed: boo
     else:
       values = codes.astype(xp.float32)
   shape = values.shape
-  if transposed:  # (..., out, in/block, block): one scale per row of a block
-    blocks = values.reshape(*shape[:-1], shape[-1] // q.block, q.block)
-    w = blocks * scales[..., :, :, None].astype(xp.float32)
-    if offsets is not None:
-      w = w + offsets[..., :, :, None].astype(xp.float32)
-  else:  # (..., in/block, block, out)
-    blocks = values.reshape(*shape[:-2], shape[-2] // q.block, q.block, shape[-1])
-    w = blocks * scales[..., :, None, :].astype(xp.float32)  # GGUF's float16 scales widen exactly
-    if offsets is not None:
-      w = w + offsets[..., :, None, :].astype(xp.float32)
+  ax = len(shape) + axis  # the input axis: in -> (in/block, block), one scale per block
+  blocks = values.reshape(*shape[:ax], shape[ax] // q.block, q.block, *shape[ax + 1:])
+  w = blocks * xp.expand_dims(scales, axis).astype(xp.float32)  # GGUF's float16 scales widen exactly
+  if offsets is not None:
+    w = w + xp.expand_dims(offsets, axis).astype(xp.float32)
   return w.reshape(shape).astype(dtype)
 
 

@@ -48,10 +48,14 @@ def is_quantized(model) -> bool:
   return any(isinstance(proj.kernel, QuantizedKernel) for _, proj in projections(model))
 
 
+def as_variable(q: QuantizedTensor) -> QuantizedKernel:
+  return QuantizedKernel(jax.tree.map(jnp.asarray, q))
+
+
 def set_quantized(proj, q: QuantizedTensor) -> None:
   if tuple(q.shape) != tuple(proj.kernel.shape):
     raise ValueError(f"quantized kernel of shape {q.shape} for a kernel of shape {tuple(proj.kernel.shape)}")
-  proj.kernel = QuantizedKernel(jax.tree.map(jnp.asarray, q))
+  proj.kernel = as_variable(q)
 
 
 def quantize_model(model, format: str, block: int = 64, *, embeddings: bool = False):
@@ -71,7 +75,7 @@ def quantize_model(model, format: str, block: int = 64, *, embeddings: bool = Fa
         q = formats.quantize(np.asarray(table[...], np.float32).T, format, block)
       except ValueError as e:
         raise ValueError(f"model.quantize={format}: {name} {tuple(table.shape)}: {e}") from None
-      setattr(model, name, QuantizedKernel(jax.tree.map(jnp.asarray, q)))
+      setattr(model, name, as_variable(q))
   model.quantize = format
   return model
 
@@ -131,8 +135,7 @@ def load_gguf_blocks(model, gguf_path: str, *, embeddings: bool = False) -> None
         raise ValueError(f"{gguf_path}: GGUF tensor {tensor.name!r} is {tensor.tensor_type.name}; "
                          f"model.quantize_embeddings with model.quantize=gguf keeps only "
                          f"{sorted(gguf_quant.GGUF_BLOCK_TYPES)} blocks (set model.quantize_embeddings=false)")
-      q = gguf_quant.gguf_blocks(tensor)
-      setattr(model, name, QuantizedKernel(jax.tree.map(jnp.asarray, q)))
+      setattr(model, name, as_variable(gguf_quant.gguf_blocks(tensor)))
   model.quantize = "gguf"
 
 
@@ -171,18 +174,15 @@ def init_random_quantized(config, format: str, *, block: int = 64, dtype="bfloat
                   lambda s: (rng.uniform(0.5, 1.5, s) * scale).astype(np.float32))
     return QuantizedKernel(QuantizedTensor(codes=codes, scales=scales, format=format, block=block))
 
-  kernels = set()
   for _, proj in projections(model):
     layers, rows, out = proj.kernel.shape
     proj.kernel = draw_quantized(layers, rows=rows, out=out)
-    kernels.add(id(proj.kernel))
   if embeddings:
     for name, table in tables(model):
       vocab, hidden = table.shape
       setattr(model, name, draw_quantized(rows=hidden, out=vocab))
-      kernels.add(id(getattr(model, name)))
-  for path, variable in nnx.iter_graph(model):
-    if not isinstance(variable, nnx.Param) or id(variable) in kernels:
+  for path, variable in nnx.iter_graph(model):  # the float rest (a QuantizedKernel is no Param)
+    if not isinstance(variable, nnx.Param):
       continue
     shape = tuple(variable.shape)
     if "norm" in ".".join(map(str, path)):
