@@ -1,6 +1,7 @@
 """Shared fixtures. Every cost is paid once per session: the real tokenizer and data, the real
 SmolLM2-135M-Instruct on the jaxsft side (the torch side is in torch_parity/conftest.py), a tiny
-random model folder, a small synthetic data file, and XLA compiles (a persistent cache)."""
+random model folder, a small synthetic data file, and XLA compiles (a persistent cache); one compute
+thread per test process when the processes fill the cores (worker_threads.py)."""
 
 import contextlib
 import dataclasses
@@ -14,8 +15,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no network at test time
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
+import worker_threads  # tests/worker_threads.py
 import xla_cache  # tests/xla_cache.py
 
+worker_threads.configure()  # before anything imports JAX or torch
 xla_cache.configure()  # before anything imports JAX
 # Token stores and converted models of the session's runs, its subprocesses' included: a fresh
 # folder, so no test depends on (or fills) the user's ~/.cache/jaxsft.

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+import worker_threads
 from test_train import read_metrics, run_cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -42,7 +43,7 @@ def run_two_processes(args, timeout=400) -> list[str]:
   procs = []
   for pid in range(2):
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu",
-               JAX_ENABLE_COMPILATION_CACHE="false", XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+               JAX_ENABLE_COMPILATION_CACHE="false", XLA_FLAGS=worker_threads.xla_flags("--xla_force_host_platform_device_count=2"), JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid))
     procs.append(subprocess.Popen([sys.executable, "-m", "jaxsft.train", *map(str, args)], cwd=ROOT, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))

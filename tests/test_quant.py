@@ -423,13 +423,15 @@ def test_a_quantized_base_shards_over_fsdp_with_the_same_loss(tmp_path):
   import sys
   import textwrap
 
+  import worker_threads
+
   code = textwrap.dedent(f"""
       import sys
       sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
       import test_quant
       test_quant._worker_fsdp_quantized(sys.argv[1])
   """)
-  env = dict(os.environ, HF_HUB_OFFLINE="1", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+  env = dict(os.environ, HF_HUB_OFFLINE="1", XLA_FLAGS=worker_threads.xla_flags("--xla_force_host_platform_device_count=2"),
              JAX_PLATFORMS="cpu", JAX_ENABLE_COMPILATION_CACHE="false")
   r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out.json")], capture_output=True, text=True,
                      timeout=600, cwd=pathlib.Path(__file__).resolve().parents[1], env=env)

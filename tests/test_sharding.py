@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 import pytest
+import worker_threads
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MESHES = {"1": (1, 1), "4x1": (4, 1), "8x1": (8, 1), "2x2": (2, 2)}  # (data, fsdp)
@@ -32,7 +33,7 @@ def _run_worker(name: str, *args, devices: int = 8, timeout: int = 600) -> subpr
       test_sharding.{name}(*sys.argv[1:])
   """)
   # No persistent compilation cache: compiles are counted from XLA's events, which a cache hit skips.
-  env = dict(os.environ, HF_HUB_OFFLINE="1", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+  env = dict(os.environ, HF_HUB_OFFLINE="1", XLA_FLAGS=worker_threads.xla_flags(f"--xla_force_host_platform_device_count={devices}"),
              JAX_PLATFORMS="cpu", JAX_ENABLE_COMPILATION_CACHE="false")
   for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
     env.pop(key, None)

@@ -20,6 +20,7 @@ from jaxsft import data  # noqa: E402
 from jaxsft.models import load_causal_lm, resolve_model  # noqa: E402
 
 from parity_utils import PAD  # noqa: E402
+import worker_threads  # noqa: E402  tests/worker_threads.py
 
 
 def pytest_collection_modifyitems(items):
@@ -30,7 +31,7 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(autouse=True)
 def highest_precision():
-  torch.set_num_threads(2)
+  torch.set_num_threads(worker_threads.torch_threads())
   with jax.default_matmul_precision("highest"):
     yield
 
