@@ -15,10 +15,15 @@ import os
 ONE_THREAD_XLA_FLAG = "--xla_cpu_multi_thread_eigen=false"
 
 
+def cores() -> int:
+  """The cores this process may run on (all of them where the OS has no affinity call)."""
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def processes_fill_the_cores() -> bool:
   """This is one of several pytest-xdist workers, at least as many as the cores it may run on."""
   workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-  return workers > 1 and workers >= len(os.sched_getaffinity(0))
+  return workers > 1 and workers >= cores()
 
 
 def configure() -> None:
@@ -32,7 +37,7 @@ def configure() -> None:
 
 def torch_threads() -> int:
   """What a test that sets torch's thread count should set."""
-  return 1 if processes_fill_the_cores() else len(os.sched_getaffinity(0))
+  return 1 if processes_fill_the_cores() else cores()
 
 
 def xla_flags(*flags: str) -> str:
