@@ -52,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="with --model: store the base's projection kernels block-quantized, as a QLoRA "
                       "run (model.quantize) trained the adapter (default: none; a RUN_DIR brings its own)")
   parser.add_argument("--quant-block-size", type=int, default=None,
-                      help="with --quantize int8/nf4/int4: inputs per quantization block (default: 64)")
+                      help="with --quantize int8/nf4/int4: inputs per quantization block (default: 32)")
   parser.add_argument("--quantize-embeddings", action="store_true", default=None,
                       help="with --quantize: the embeddings and LM head too (model.quantize_embeddings)")
   parser.add_argument("--system", help="a system prompt for the conversation")
@@ -89,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 # Which model: a run directory (`run_files.resolve_run`), or --model [--adapter].
 
 
-def load(model_name: str, adapter: str | None, dtype: str, quantize: str = "none", quant_block_size: int = 64,
+def load(model_name: str, adapter: str | None, dtype: str, quantize: str = "none", quant_block_size: int = 32,
          quantize_embeddings: bool = False):
   """(model, tokenizer) with the adapter applied (on the base quantized as the run trained it);
   ChatError on a missing or mismatched adapter."""
@@ -110,7 +110,7 @@ def load_from_args(args):
     return load(source.model, source.adapter, args.dtype or source.dtype, source.quantize, source.quant_block_size,
                 source.quantize_embeddings)
   return load(args.model, args.adapter, args.dtype or "float32", args.quantize or "none",
-              args.quant_block_size or 64, bool(args.quantize_embeddings))
+              args.quant_block_size or 32, bool(args.quantize_embeddings))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from typing import Any
 
 from jaxsft.data import BATCHING, FORMATS, ON_ERROR, TRAIN_ON  # the data package owns its allowed values
 from jaxsft.errors import JaxsftError
+from jaxsft.quant.formats import DEFAULT_BLOCK
 
 
 DEFAULT_CONFIG = pathlib.Path(__file__).parent / "configs" / "default.yaml"
@@ -38,8 +39,8 @@ class ModelConfig:
   """Compute and frozen-weight dtype: auto (bfloat16 on a GPU/TPU, float32 on a CPU), float32 or bfloat16; LoRA params and optimizer state stay float32."""
   quantize: str = "none"
   """QLoRA: store the frozen base's projection kernels block-quantized and dequantize them inside the step, one layer at a time: none, int8, nf4 (QLoRA's NormalFloat), int4, or gguf (a .gguf model's own Q4_0/Q4_1/Q8_0 blocks, as llama.cpp serves them). Embeddings and LM head stay in `dtype` (see quantize_embeddings), norms too; LoRA only (mode=full is refused)."""
-  quant_block_size: int = 64
-  """Inputs per quantization block (one scale each) for int8/nf4/int4; gguf files fix theirs at 32."""
+  quant_block_size: int = DEFAULT_BLOCK
+  """Inputs per quantization block (one float16 scale each) for int8/nf4/int4: 32 costs NF4 4.5 bits a weight, 64 4.25 bits; gguf files fix theirs at 32."""
   quantize_embeddings: bool = False
   """With `quantize`: store the embedding table and LM head in the same format too (blocks along the hidden size; gguf: the file's own token_embd/output blocks). The lookup dequantizes the rows it takes, the LM head is dequantized whole for the logits. Off: they stay in `dtype`."""
   remat: str = "dots_no_batch"

@@ -192,7 +192,7 @@ def check_out(out: pathlib.Path, sources: dict[str, str | None], overwrite: bool
 
 def export(model_name: str, adapter: str | None, out: str | pathlib.Path, *, fmt: str = "hf",
            dtype: str = "float32", overwrite: bool = False, max_shard_size: int | str = "5GB",
-           run_dir: str | None = None, quantize: str = "none", quant_block_size: int = 64,
+           run_dir: str | None = None, quantize: str = "none", quant_block_size: int = 32,
            quantize_embeddings: bool = False) -> pathlib.Path:
   """Merge `adapter` into `model_name` and write it to `out` (see the module docstring)."""
   from jaxsft import io, lora, quant
@@ -249,7 +249,7 @@ def main(argv=None) -> int:
   parser.add_argument("--quantize", choices=("none", "int8", "nf4", "int4", "gguf"), default=None,
                       help="the base as a run with this model.quantize sees it, dequantized (default: the run's, "
                            "or none)")
-  parser.add_argument("--quant-block-size", type=int, default=None, help="model.quant_block_size of that run (64)")
+  parser.add_argument("--quant-block-size", type=int, default=None, help="model.quant_block_size of that run (32)")
   parser.add_argument("--quantize-embeddings", action="store_true", default=None,
                       help="model.quantize_embeddings of that run: the embeddings and LM head quantized too "
                            "(default: the run's, or off)")
@@ -264,7 +264,7 @@ def main(argv=None) -> int:
 def _main(args) -> int:
   from jaxsft.run_files import resolve_run
 
-  quantize, block, embeddings = "none", 64, False
+  quantize, block, embeddings = "none", 32, False
   if args.run_dir:
     source = resolve_run(args.run_dir)
     model_name, adapter = source.model, source.adapter

@@ -37,6 +37,7 @@ from flax import nnx
 
 from jaxsft import io
 from jaxsft.errors import JaxsftError
+from jaxsft.quant.formats import DEFAULT_BLOCK
 
 # The Llama family's projections: module name -> path inside a decoder layer (as in transformers).
 # Other families have their own set (Phi-3 fuses q/k/v into qkv_proj and gate/up into
@@ -354,7 +355,7 @@ def _adapter_tensors_by_module(model, tensors: dict[str, np.ndarray], r: int, we
 
 
 def load_with_adapter(model_name: str, adapter: str | os.PathLike | None, *, dtype: str, quantize: str = "none",
-                      quant_block_size: int = 64, quantize_embeddings: bool = False):
+                      quant_block_size: int = DEFAULT_BLOCK, quantize_embeddings: bool = False):
   """(model, tokenizer) of `model_name` (its base stored as `quantize` says, see `jaxsft.quant`)
   with the PEFT adapter in `adapter` (None: no adapter) loaded onto it. A missing model, a folder
   that is not an adapter, or an adapter for another base raise ValueError with one line that

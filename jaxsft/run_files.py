@@ -239,7 +239,7 @@ class RunSource:
   adapter: str | None
   dtype: str
   quantize: str = "none"
-  quant_block_size: int = 64
+  quant_block_size: int = 32  # model.quant_block_size's default
   quantize_embeddings: bool = False
 
 
@@ -262,7 +262,7 @@ def resolve_run(run_dir: str | os.PathLike) -> RunSource:
   if not name:
     raise RunDirError(f"{files.config}: field model.name is missing")
   return RunSource(name, str(files.adapter), model_cfg.get("dtype", "float32"), model_cfg.get("quantize", "none"),
-                   model_cfg.get("quant_block_size", 64), bool(model_cfg.get("quantize_embeddings", False)))
+                   model_cfg.get("quant_block_size", RunSource.quant_block_size), bool(model_cfg.get("quantize_embeddings", False)))
 
 
 # ---------------------------------------------------------------------------------------------

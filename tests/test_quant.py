@@ -43,6 +43,32 @@ def test_round_trip_error_is_within_the_format_bound(fmt):
   np.testing.assert_array_equal(formats.dequantize(q, np.float32, xp=np, transposed=True), np.swapaxes(back, -1, -2))
   bits = {"int8": 8, "int4": 4, "nf4": 4, "q4_1": 4}[fmt]
   assert q.codes.nbytes == w.size * bits // 8
+  assert q.scales.dtype == np.float16 and (q.offsets is None or q.offsets.dtype == np.float16)
+
+
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_scales_are_rounded_outward_to_float16_and_float32_where_float16_cannot_hold_them(fmt):
+  """Each float16 scale is the smallest one ≥ the exact block scale (an offset the largest ≤ the
+  block minimum), so the codes fit the range; beyond float16's range a tensor keeps float32 ones."""
+  rng = np.random.default_rng(3)
+  w = (rng.standard_normal((64, 16)) * 0.02).astype(np.float32)
+  exact = {"int8": 127, "int4": 7, "nf4": 1}
+  q = formats.quantize(w, fmt, block=32)
+  blocks = w.reshape(2, 32, 16)
+  scales = q.scales.astype(np.float32)
+  if fmt == "q4_1":
+    low = q.offsets.astype(np.float32)
+    assert np.all(low <= blocks.min(axis=1)) and np.all(np.nextafter(q.offsets, np.float16(np.inf)) > blocks.min(axis=1))
+    needed = (blocks.max(axis=1) - low) / 15
+  else:
+    needed = np.abs(blocks).max(axis=1) / exact[fmt]
+  assert np.all(scales >= needed) and np.all(np.nextafter(q.scales, np.float16(-np.inf)).astype(np.float32) < needed)
+  assert formats.quantize(w, fmt, block=32, scale_dtype=np.float32).scales.dtype == np.float32  # asked for
+  big = w * np.float32(1e6)  # weights up to ~1e5: past float16's largest, 65504
+  q = formats.quantize(big, fmt, block=32)
+  assert q.scales.dtype == np.float32
+  err = np.abs(np.asarray(formats.dequantize(q)) - big).reshape(2, 32, 16)
+  assert np.all(err <= formats.error_bound(q)[..., 0, :][:, None, :] * (1 + 1e-6))
 
 
 def test_nf4_codes_are_the_nearest_of_the_qlora_code_book():
@@ -189,7 +215,7 @@ def test_the_optimizer_sees_only_lora_params_and_the_base_is_stored_quantized():
   kernels = [proj.kernel for _, proj in quant.model.projections(model)]
   kernel_float_bytes = sum(int(np.prod(k.shape)) * 4 for k in kernels)
   kernel_bytes = quant.tree_bytes([k.get_value() for k in kernels])
-  assert kernel_bytes <= 0.16 * kernel_float_bytes  # 4 bits + a float32 scale per 32: 0.156 of float32
+  assert kernel_bytes == kernel_float_bytes * (4 + 16 / 32) / 32  # 4 bits + a float16 scale per 32 weights
   assert quant.tree_bytes(frozen) < float_bytes
 
 
@@ -315,11 +341,11 @@ def test_nf4_run_trains_resumes_and_reports_the_base_bytes(tiny_dir, tmp_path, m
   config = next(line for line in lines if line.get("event") == "config")
   source = resolve_run(out)  # what chat and export load: the base quantized as the run trained it
   assert (source.quantize, source.quantize_embeddings) == ("nf4", True)
-  # the (tied) embeddings (49,152 × 64) and the 2 layers' 7 kernels at 4 bits + a float32 scale per
-  # 64, the norms in float32
+  # the (tied) embeddings (49,152 × 64) and the 2 layers' 7 kernels at 4 bits + a float16 scale per
+  # 32 (the default block), the norms in float32
   weights = TINY.vocab_size * TINY.hidden_size + TINY.num_layers * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128)
   norms = (2 * TINY.num_layers + 1) * 64 * 4
-  assert summary["base_param_bytes"] == config["base_param_bytes"] == norms + weights // 2 + weights // 64 * 4
+  assert summary["base_param_bytes"] == config["base_param_bytes"] == norms + weights // 2 + weights // 32 * 2
   r = 16  # the embedded default: rank 16 on all seven projections, (in + out) · r float32 each
   in_plus_out = (64 + 64) + 2 * (64 + 32) + (64 + 64) + 3 * (64 + 128)
   assert summary["trainable_param_bytes"] == TINY.num_layers * 4 * r * in_plus_out
@@ -352,7 +378,7 @@ def test_export_writes_the_base_a_quantized_run_sees(tiny_dir, tmp_path, embeddi
   for name, value in original.items():
     # (out, in): the kernel is its transpose, blocked along in; the table (V, H) is stored (H, V)
     if name.endswith(quantized):
-      expected = formats.dequantize(formats.quantize(value.T, "nf4", 64), np.float32, xp=np).T
+      expected = formats.dequantize(formats.quantize(value.T, "nf4", formats.DEFAULT_BLOCK), np.float32, xp=np).T
       np.testing.assert_array_equal(written[name], expected, err_msg=name)
       assert not np.array_equal(written[name], value)
     else:  # norms (and, unless asked, the embeddings) are not quantized

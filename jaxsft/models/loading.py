@@ -20,13 +20,14 @@ from jaxsft.errors import ModelError
 from jaxsft.models import decoder, families, hf_weights
 from jaxsft.models.gguf.read import read_gguf
 from jaxsft.models.hub import ModelSource, load_tokenizer, resolve_model
+from jaxsft.quant.formats import DEFAULT_BLOCK
 
 _CACHE_FORMAT = "2"
 
 
 def load_model(name_or_path: str, *, dtype: str = "float32", attention: str = "xla",
                remat: str | Callable | None = decoder.DEFAULT_REMAT, quantize: str = "none",
-               quant_block_size: int = 64, quantize_embeddings: bool = False):
+               quant_block_size: int = DEFAULT_BLOCK, quantize_embeddings: bool = False):
   """`(model, tokenizer)` for a short name, HF directory, hub id or `.gguf` file.
 
   Args:
@@ -47,7 +48,7 @@ def load_model(name_or_path: str, *, dtype: str = "float32", attention: str = "x
 
 def load_causal_lm(source: ModelSource | str, *, dtype: str = "float32", attention: str = "xla",
                    remat: str | Callable | None = decoder.DEFAULT_REMAT, quantize: str = "none",
-                   quant_block_size: int = 64, quantize_embeddings: bool = False) -> decoder.CausalLM:
+                   quant_block_size: int = DEFAULT_BLOCK, quantize_embeddings: bool = False) -> decoder.CausalLM:
   """The model alone (no tokenizer): `load_model` without the tokenizer files."""
   from jaxsft import quant
 

@@ -21,7 +21,11 @@ GGUF's own blocks map onto these with block 32: Q8_0 is int8 (ŵ = q · d), Q4_0
 
 Storage: int8 codes are int8 (..., in, out); 4-bit codes are two per byte along the input axis,
 uint8 (..., in/2, out) with row 2j in the low nibble and row 2j + 1 in the high one; scales and
-offsets are float32 (..., in/block, out) (float16 for a GGUF's own blocks). Every array keeps the leading layer axis, so
+offsets are float16 (..., in/block, out), as GGUF keeps its d and m. With 16-bit scales a block
+of 32 costs 4.5 bits a 4-bit weight, what bitsandbytes' NF4 pays at block 64 with float32 ones.
+Each scale is rounded up to float16 (an offset down) BEFORE the codes are chosen, so every
+|w / ŝ| stays within the code range and the bounds below hold for the stored ŝ; a tensor with a
+weight beyond float16's range (65504) keeps float32 scales. Every array keeps the leading layer axis, so
 `jax.lax.scan` over the decoder hands each layer its own blocks and `dequantize` then
 materializes one layer's float kernel at a time.
 
@@ -43,6 +47,8 @@ from flax import struct
 
 FORMATS = ("int8", "int4", "nf4", "q4_1")
 FOUR_BIT = ("int4", "nf4", "q4_1")
+DEFAULT_BLOCK = 32
+"""Inputs per block by default (`model.quant_block_size`): 32, GGUF's own block, at 16-bit scales."""
 
 NF4_CODE = np.array([
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -59,7 +65,7 @@ class QuantizedTensor:
   scales: Any
   offsets: Any = None
   format: str = struct.field(pytree_node=False, default="nf4")
-  block: int = struct.field(pytree_node=False, default=64)
+  block: int = struct.field(pytree_node=False, default=DEFAULT_BLOCK)
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -103,8 +109,18 @@ def _safe(scale: np.ndarray) -> np.ndarray:
   return np.where(scale == 0, np.float32(1), scale)
 
 
-def quantize(w, format: str, block: int = 64) -> QuantizedTensor:
-  """Quantize a float kernel (..., in, out) with numpy (see the module docstring for the math)."""
+def _round_to(x: np.ndarray, dtype, direction: float) -> np.ndarray:
+  """x (float32) in `dtype`, rounded toward `direction` (+inf: the smallest value ≥ x; -inf: the
+  largest ≤ x), widened back to float32: the value the step will multiply by."""
+  near = x.astype(dtype)
+  off = near.astype(np.float32) < x if direction > 0 else near.astype(np.float32) > x
+  return np.where(off, np.nextafter(near, dtype(direction)), near).astype(np.float32)
+
+
+def quantize(w, format: str, block: int = DEFAULT_BLOCK, scale_dtype=np.float16) -> QuantizedTensor:
+  """Quantize a float kernel (..., in, out) with numpy (see the module docstring for the math).
+
+  `scale_dtype`: float16 (the default; float32 where a weight is beyond float16's range) or float32."""
   if format not in FORMATS:
     raise ValueError(f"unknown quantization format {format!r}; choose from {list(FORMATS)}")
   if format in FOUR_BIT and block % 2:
@@ -112,25 +128,32 @@ def quantize(w, format: str, block: int = 64) -> QuantizedTensor:
   w = np.asarray(w, np.float32)
   blocks = _blocks(w, block)
   absmax = np.max(np.abs(blocks), axis=-2, keepdims=True)
+  # every scale and offset is at most max|w| in size
+  fits = np.dtype(scale_dtype) == np.float16 and (not w.size or np.max(absmax) <= np.finfo(np.float16).max)
+  stored = np.float16 if fits else np.float32
+
+  def up(x):
+    return _round_to(x, stored, np.inf)
+
   offsets = None
   if format == "int8":
-    scale = absmax / np.float32(127)
+    scale = up(absmax / np.float32(127))
     codes = np.clip(np.rint(blocks / _safe(scale)), -127, 127).astype(np.int8).reshape(w.shape)
   elif format == "int4":
-    scale = absmax / np.float32(7)
+    scale = up(absmax / np.float32(7))
     codes = pack_nibbles((np.clip(np.rint(blocks / _safe(scale)), -7, 7) + 8).reshape(w.shape))
   elif format == "nf4":
-    scale = absmax
+    scale = up(absmax)
     normalized = blocks / _safe(scale)
     # nearest code: the code book is sorted, so compare with the midpoints between neighbours
     midpoints = (NF4_CODE[1:] + NF4_CODE[:-1]) / 2
     codes = pack_nibbles(np.searchsorted(midpoints, normalized).astype(np.uint8).reshape(w.shape))
   else:  # q4_1
-    low = np.min(blocks, axis=-2, keepdims=True)
-    scale = (np.max(blocks, axis=-2, keepdims=True) - low) / np.float32(15)
+    low = _round_to(np.min(blocks, axis=-2, keepdims=True), stored, -np.inf)
+    scale = up((np.max(blocks, axis=-2, keepdims=True) - low) / np.float32(15))
     codes = pack_nibbles(np.clip(np.rint((blocks - low) / _safe(scale)), 0, 15).reshape(w.shape))
-    offsets = low[..., 0, :].astype(np.float32)
-  return QuantizedTensor(codes=codes, scales=scale[..., 0, :].astype(np.float32), offsets=offsets,
+    offsets = low[..., 0, :].astype(stored)
+  return QuantizedTensor(codes=codes, scales=scale[..., 0, :].astype(stored), offsets=offsets,
                          format=format, block=block)
 
 
@@ -159,7 +182,7 @@ def dequantize(q: QuantizedTensor, dtype=jnp.float32, xp=jnp, *, transposed: boo
   shape = values.shape
   ax = len(shape) + axis  # the input axis: in -> (in/block, block), one scale per block
   blocks = values.reshape(*shape[:ax], shape[ax] // q.block, q.block, *shape[ax + 1:])
-  w = blocks * xp.expand_dims(scales, axis).astype(xp.float32)  # GGUF's float16 scales widen exactly
+  w = blocks * xp.expand_dims(scales, axis).astype(xp.float32)  # float16 scales widen exactly
   if offsets is not None:
     w = w + xp.expand_dims(offsets, axis).astype(xp.float32)
   return w.reshape(shape).astype(dtype)
@@ -174,7 +197,7 @@ def take_columns(q: QuantizedTensor, index) -> QuantizedTensor:
 
 def error_bound(q: QuantizedTensor, xp=np):
   """The largest |w - ŵ| the format allows per block (..., in/block, 1, out) for the w that gave `q`."""
-  scale = xp.abs(q.scales)
+  scale = xp.abs(q.scales).astype(np.float32)
   if q.format == "nf4":
     half_gap = np.float32(np.max(np.diff(NF4_CODE)) / 2)
     return (scale * half_gap)[..., :, None, :]

@@ -58,7 +58,7 @@ def set_quantized(proj, q: QuantizedTensor) -> None:
   proj.kernel = as_variable(q)
 
 
-def quantize_model(model, format: str, block: int = 64, *, embeddings: bool = False):
+def quantize_model(model, format: str, block: int = formats.DEFAULT_BLOCK, *, embeddings: bool = False):
   """Quantize every projection kernel of `model` IN PLACE (`formats.quantize`); returns `model`.
 
   `embeddings`: the embedding table and the LM head too, each stored (H, V) with blocks along
@@ -139,7 +139,7 @@ def load_gguf_blocks(model, gguf_path: str, *, embeddings: bool = False) -> None
   model.quantize = "gguf"
 
 
-def init_random_quantized(config, format: str, *, block: int = 64, dtype="bfloat16", seed: int = 0,
+def init_random_quantized(config, format: str, *, block: int = formats.DEFAULT_BLOCK, dtype="bfloat16", seed: int = 0,
                           abstract: bool = False, embeddings: bool = False, **kwargs):
   """A random-weight `CausalLM` whose projection kernels are DRAWN quantized (random codes,
   scales around a 0.02-std weight's block maximum): no float copy of the kernels ever exists,
@@ -170,8 +170,8 @@ def init_random_quantized(config, format: str, *, block: int = 64, dtype="bfloat
     code_rows, code_dtype = (rows, np.int8) if format == "int8" else (rows // 2, np.uint8)
     codes = draw((*lead, code_rows, out), code_dtype,
                  lambda s: rng.integers(0, 256, s, dtype=np.uint8).view(code_dtype))
-    scales = draw((*lead, rows // block, out), np.float32,
-                  lambda s: (rng.uniform(0.5, 1.5, s) * scale).astype(np.float32))
+    scales = draw((*lead, rows // block, out), np.float16,
+                  lambda s: (rng.uniform(0.5, 1.5, s) * scale).astype(np.float16))
     return QuantizedKernel(QuantizedTensor(codes=codes, scales=scales, format=format, block=block))
 
   for _, proj in projections(model):
