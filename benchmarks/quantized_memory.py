@@ -5,8 +5,9 @@
   python benchmarks/quantized_memory.py step8b           # one NF4 LoRA step of Llama-3.1-8B's shapes, 1x256
   python benchmarks/quantized_memory.py step8b --quantize-embeddings  # the same, embeddings and LM head NF4 too
   python benchmarks/quantized_memory.py speed [--reps 3] # the real SmolLM2 at 8x128: float32 vs quantized
+  python benchmarks/quantized_memory.py error            # rounding error per format, block size and scale dtype
 
-`sizes`: bytes of the frozen base as stored (projection kernels: codes + float32 block scales;
+`sizes`: bytes of the frozen base as stored (projection kernels: codes + float16 block scales;
 embeddings, LM head and norms in bfloat16, or the embeddings and LM head quantized too:
 model.quantize_embeddings), for the real configs in configs/models, read off the arrays' shapes
 and dtypes (`nnx.eval_shape` of the same draw `step8b` runs, nothing allocated), and for the
@@ -22,6 +23,12 @@ drawn weights, XLA's compile, the step.
 (float32 compute), and nf4 with its embeddings and LM head quantized too, steps interleaved
 round-robin; the difference is the cost of dequantizing every kernel in the forward pass and
 again in the rematerialized backward pass (and the whole LM head once a step).
+
+`error`: relative RMS error ‖ŵ - w‖ / ‖w‖ of quantize → dequantize over all projection kernels
+of the real SmolLM2-135M-Instruct (its GGUF's Q4_1 blocks read as float32) and of Gaussian
+kernels of the same shapes and per-kernel spread, for each format at blocks of 32 and 64 with
+float16 and float32 scales: what a block size or a scale dtype costs in the weights, apart from
+training noise.
 
 Results: benchmarks/results/quantized_memory.{json,md} (each section updates its own part and
 records its own machine and load).
@@ -219,6 +226,35 @@ def speed(reps: int, bases=tuple(SPEED_BASES), batch: int = 8, length: int = 128
           "step_seconds": {f: common.median(t) for f, t in times.items()}, "all_step_seconds": times}
 
 
+def rounding_error() -> dict:
+  import numpy as np
+
+  from jaxsft import quant
+  from jaxsft.models import load_causal_lm
+  from jaxsft.quant import formats
+
+  model = load_causal_lm("smollm2-135m-instruct", dtype="float32")
+  real = [np.asarray(proj.kernel[...], np.float32) for _, proj in quant.model.projections(model)]
+  del model
+  rng = np.random.default_rng(0)
+  gaussian = [(rng.standard_normal(k.shape, dtype=np.float32) * k.std()) for k in real]
+  rows = []
+  for weights, kernels in (("smollm2-135m (real)", real), ("gaussian, same shapes and spread", gaussian)):
+    norm = sum(float(np.sum(np.square(k, dtype=np.float64))) for k in kernels)
+    for fmt in ("int8", "nf4", "int4"):
+      for block in (32, 64):
+        for scale_dtype in ("float16", "float32"):
+          err = 0.0
+          for k in kernels:
+            q = formats.quantize(k, fmt, block, scale_dtype=np.dtype(scale_dtype))
+            back = formats.dequantize(q, np.float32, xp=np)
+            err += float(np.sum(np.square(back - k, dtype=np.float64)))
+          bits = {"int8": 8, "nf4": 4, "int4": 4}[fmt] + (16 if scale_dtype == "float16" else 32) / block
+          rows.append({"weights": weights, "format": fmt, "block": block, "scale_dtype": scale_dtype,
+                       "bits_per_weight": bits, "relative_rms_error": (err / norm) ** 0.5})
+  return {"rows": rows}
+
+
 def section_machine(section: dict) -> str:
   info = section.get("machine_at_start") or section.get("machine")
   return f"Run on: {common.machine_line(info)}." if info else "Run on: not recorded (an earlier version)."
@@ -228,8 +264,8 @@ def markdown(result: dict) -> str:
   lines = ["# Quantized frozen base: memory and speed", ""]
   if "sizes" in result:
     lines += ["## Bytes of the frozen base as stored", "",
-              "Projection kernels quantized (codes + float32 scale per 64 inputs; GGUF: its own float16 d and m "
-              "per 32); embeddings, LM head and norms in bfloat16, or (last two columns) the embeddings and LM head "
+              "Projection kernels quantized (codes + a float16 scale per 32 inputs, the default block; GGUF: its "
+              "own float16 d and m per 32); embeddings, LM head and norms in bfloat16, or (last two columns) the embeddings and LM head "
               "quantized too (`model.quantize_embeddings`; the GGUF: its own Q8_0 token embeddings). Norms stay "
               "bfloat16.", "",
               "| model | format | kernels (MB) | rest (MB) | total (MB) | kernels / bf16 | total / bf16 | "
@@ -277,12 +313,20 @@ def markdown(result: dict) -> str:
     for fmt, t in sp["step_seconds"].items():
       lines.append(f"| {names.get(fmt, fmt)} | {t:.2f} | {t / base:.2f}x |")
     lines += ["", section_machine(sp), ""]
+  if "error" in result:
+    lines += ["## Rounding error of the projection kernels, ‖ŵ - w‖ / ‖w‖", "",
+              "| weights | format | block | scales | bits a weight | relative RMS error |",
+              "| --- | --- | ---: | --- | ---: | ---: |"]
+    for r in result["error"]["rows"]:
+      lines.append(f"| {r['weights']} | {r['format']} | {r['block']} | {r['scale_dtype']} | "
+                   f"{r['bits_per_weight']:.3f} | {r['relative_rms_error']:.4f} |")
+    lines += ["", "Arithmetic on fixed weights: the figures do not depend on the machine.", ""]
   return "\n".join(lines)
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("section", choices=("sizes", "plan8b", "step8b", "speed"))
+  parser.add_argument("section", choices=("sizes", "plan8b", "step8b", "speed", "error"))
   parser.add_argument("--reps", type=int, default=3)
   parser.add_argument("--quantize-embeddings", action="store_true",
                       help="plan8b/step8b: the embeddings and LM head drawn as NF4 too")
@@ -297,6 +341,8 @@ def main(argv=None) -> int:
     result["plan8b" + suffix] = plan8b(embeddings=args.quantize_embeddings)
   elif args.section == "step8b":
     result["step8b" + suffix] = step8b(embeddings=args.quantize_embeddings)
+  elif args.section == "error":
+    result["error"] = rounding_error()
   else:
     result["speed"] = speed(args.reps)
   common.write_results(RESULTS_STEM, result, markdown(result))
