@@ -72,18 +72,22 @@ def small_data(tmp_path_factory):
 def no_compile_cache():
   """This test's compiles all reach XLA (and emit their compile events): the persistent cache
   is off while it runs. JAX decides once per process whether the cache is in use, so the decision
-  is reset on the way in and out."""
+  is reset on the way in and out. Yields `restore()`, which turns the cache back on for the rest
+  of the test: for runs whose compiles the test does not count."""
   import jax
   from jax.experimental.compilation_cache import compilation_cache
 
   before = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", False)
-  compilation_cache.reset_cache()
-  try:
-    yield
-  finally:
-    jax.config.update("jax_enable_compilation_cache", before)
+
+  def use_cache(enabled: bool) -> None:
+    jax.config.update("jax_enable_compilation_cache", enabled)
     compilation_cache.reset_cache()
+
+  use_cache(False)
+  try:
+    yield lambda: use_cache(before)
+  finally:
+    use_cache(before)
 
 
 @dataclasses.dataclass

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from hide_torch import PRELUDE
-from test_train import ROOT, base_args, run_cli
+from test_train import DETERMINISTIC, ROOT, base_args, read_metrics, run_cli
 
 from jaxsft import tracking
 
@@ -58,27 +58,44 @@ def assert_events_equal_metrics(run, steps: int, extra=()):
   return scalars, texts
 
 
-@pytest.mark.slow
-def test_event_files_equal_metrics_and_a_killed_run_resumes_without_repeating_a_step(tiny_dir, small_data, tmp_path):
-  steps = ["max_steps=12", "save_every=4", "eval.eval_every=5", "eval.num_prompts=2", "eval.max_new_tokens=2",
+@pytest.mark.slow  # the killed run and its resume in fresh interpreters, as a user meets them
+def test_killed_run_resumes_to_the_same_metrics_and_event_files(tiny_dir, small_data, tmp_path, train_main):
+  steps = ["max_steps=12", "save_every=3", "eval.eval_every=4", "eval.num_prompts=2", "eval.max_new_tokens=2",
            "--peak-flops", "1e12"]
+  ref = tmp_path / "uninterrupted"  # the reference: nothing about it needs a fresh interpreter
+  r = train_main(base_args(tiny_dir, small_data, ref, *steps))
+  assert r.returncode == 0, r.stderr[-3000:]
   run = tmp_path / "killed"
   proc = run_cli(base_args(tiny_dir, small_data, run, *steps), wait=False)
   deadline = time.time() + 300
-  # Kill once step 6 is logged (a step's events are flushed before the next step's line): a
-  # checkpoint at step 4, events past it.
+  # Kill once step 7 is logged (a step's events are flushed before the next step's line):
+  # checkpoints at steps 3 and 6, metrics and events past the last one.
   while time.time() < deadline:
-    if (run / "metrics.jsonl").exists() and any(l.get("step", 0) >= 6 for l in metric_lines(run)):
+    if (run / "metrics.jsonl").exists() and any(l.get("step", 0) >= 7 for l in metric_lines(run)):
       break
     assert proc.poll() is None, proc.stdout.read()
     time.sleep(0.05)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
+  assert not (run / "summary.json").exists()
   before, _ = event_scalars(run)
   resumed = run_cli(base_args(tiny_dir, small_data, run, *steps, "--resume"))
   assert resumed.returncode == 0, resumed.stderr
   restored = int(re.search(r"resumed from step (\d+)", resumed.stderr).group(1))
   assert max(s for s, _ in before["train/loss"]) > restored  # the killed run logged steps the resume redid
+
+  # The metrics of the uninterrupted run, step for step.
+  (ref_train, ref_val, _), (res_train, res_val, _) = read_metrics(ref), read_metrics(run)
+  assert [l["step"] for l in res_train] == list(range(1, 13))
+  for a, b in zip(ref_train, res_train):
+    for key in DETERMINISTIC:
+      assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
+  assert [(l["step"], round(l["val_loss"], 6)) for l in ref_val] == [(l["step"], round(l["val_loss"], 6)) for l in res_val]
+  # The epoch average covers the steps before the kill too (its sums travel in the checkpoint).
+  epochs = lambda run: [(l["step"], l["epoch"], round(l["epoch_loss"], 6)) for l in read_metrics(run)[2] if "epoch_loss" in l]
+  assert epochs(ref) and epochs(ref) == epochs(run)
+
+  # The event files: each step once (the redone steps hidden), equal to metrics.jsonl.
   assert len(glob.glob(str(run / "tensorboard" / "events.out.tfevents.*"))) == 2  # one file per process
   scalars, texts = assert_events_equal_metrics(run, 12, extra=("mfu",))
   for step, mfu in scalars["train/mfu"]:  # MFU against the given peak: FLOP/s over 1e12 (4 digits each)
