@@ -163,8 +163,10 @@ def test_bucketed_packing(records, tokenizer, examples, extra):
   assert stats.waste_frac <= packed.waste_frac + 0.02
 
 
-def resume_matches(dataset, stop_after):
-  uninterrupted = list(dataset)
+def resume_matches(dataset, stop_after, uninterrupted=None):
+  """A run stopped after `stop_after` batches and restored from its JSON state gives the batches an
+  uninterrupted run gives (`uninterrupted`: that run's batches, if already read)."""
+  uninterrupted = list(dataset) if uninterrupted is None else uninterrupted
   it = iter(dataset)
   for _ in range(stop_after):
     next(it)
@@ -197,10 +199,10 @@ def test_resume_with_workers(records, tokenizer):
   plain = records[:120]  # no tokenized= and explicit buckets: tokenization runs in the workers
   ds = make_batches(plain, tokenizer, max_length=MAX_LENGTH, bucket_lengths=[64, 128, 192, 256], batch_size=4,
                     num_epochs=2, worker_count=2)
-  resume_matches(ds, 23)
+  parallel = list(ds)
+  resume_matches(ds, 23, parallel)
   serial = list(make_batches(plain, tokenizer, max_length=MAX_LENGTH, bucket_lengths=[64, 128, 192, 256],
                              batch_size=4, num_epochs=2))
-  parallel = list(ds)
   for epoch in (0, 1):  # workers interleave epoch ends; batches still hold one epoch's examples each
     assert sorted(rows_of([b for b in parallel if b["epoch"] == epoch])) == sorted(
         rows_of([b for b in serial if b["epoch"] == epoch]))
