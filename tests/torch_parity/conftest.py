@@ -1,14 +1,19 @@
 """Fixtures for the PyTorch cross-check suite: the same weights and batches on both sides.
 
 Everything runs in float32, jaxsft under `jax.default_matmul_precision("highest")`. The real
-SmolLM2-135M-Instruct is loaded once per session on each side (transformers from the GGUF, jaxsft
-from its safetensors cache of the same GGUF); the tiny random Llama (Llama-3 rope scaling, untied)
-and Qwen2 (q/k/v biases, tied) are built with transformers and loaded by jaxsft from the saved
-directory. Batches are real examples of `../shared/data/` through `jaxsft.data`.
+SmolLM2-135M-Instruct is loaded once per session on each side (transformers from the GGUF, converted
+once for all the session's processes; jaxsft from its safetensors cache of the same GGUF); the tiny
+random Llama (Llama-3 rope scaling, untied) and Qwen2 (q/k/v biases, tied) are built with
+transformers and loaded by jaxsft from the saved directory. Batches are real examples of
+`../shared/data/` through `jaxsft.data`.
 """
 
 from __future__ import annotations
 
+import os
+import pathlib
+
+import filelock
 import jax
 import pytest
 
@@ -70,11 +75,28 @@ def multiturn_examples(tokenizer, shared_data):
 # Models
 
 
+def _smollm2_safetensors_folder() -> pathlib.Path:
+  """The real SmolLM2 as transformers reads it from the GGUF, saved once per session as a
+  safetensors folder: reading the GGUF takes transformers seconds, the folder a fraction of one.
+  The session's test processes share the folder (JAXSFT_CACHE, conftest.py); the first to need it
+  converts, under a lock, and the others wait for it."""
+  folder = pathlib.Path(os.environ["JAXSFT_CACHE"]) / "torch-smollm2-135m-instruct"
+  with filelock.FileLock(f"{folder}.lock"):
+    if not (folder / "model.safetensors").is_file():
+      source = resolve_model("smollm2-135m-instruct")
+      model = transformers.AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file,
+                                                                dtype=torch.float32)
+      # The weights are dequantized float32 already; what marks them "GGUF" only blocks saving.
+      model.hf_quantizer, model.config.quantization_config = None, None
+      partial = folder.with_name(folder.name + ".partial")
+      model.save_pretrained(partial)
+      partial.rename(folder)
+  return folder
+
+
 @pytest.fixture(scope="session")
 def smollm2_torch():
-  source = resolve_model("smollm2-135m-instruct")
-  model = transformers.AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file,
-                                                            dtype=torch.float32)
+  model = transformers.AutoModelForCausalLM.from_pretrained(_smollm2_safetensors_folder(), dtype=torch.float32)
   return model.eval()
 
 
