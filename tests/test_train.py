@@ -160,7 +160,8 @@ def test_accumulated_micro_batches_equal_one_batch_whatever_the_padding(tokenize
   params = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(2), x.shape), params)
   schedule = step_lib.make_schedule(cfg.optim, 10)
   tx = step_lib.make_optimizer(cfg.optim, schedule)
-  zeros, accumulate, apply, evaluate = step_lib.make_step_functions(graphdef, cfg)
+  # Jitted, as the trainer runs them (op by op, the tiny model's step takes longer than its compiles).
+  zeros, accumulate, apply, evaluate = (jax.jit(f) for f in step_lib.make_step_functions(graphdef, cfg))
   examples = [data.tokenize_example(tokenizer, r, max_length=1024) for r in synthetic.make_dataset(40, seed=5)]
   examples = [e for e in examples if len(e["input_ids"]) <= 120][:8]
   one = data.collate(examples, pad_token_id=2, bucket_lengths=[256])
