@@ -54,12 +54,14 @@ def from_hf_state_dict(config: LlamaConfig, tensors: Mapping[str, np.ndarray], *
     leaf = path[-1]
     per_layer_shape = tuple(variable.shape[1:])
     if leaf == "kernel":  # (in, out) here, (out, in) in PyTorch
+      # Stacked as stored, transposed by XLA on the device: numpy's strided copy of every
+      # transposed kernel is the slow part of loading a large model.
       hf_shape = per_layer_shape[::-1]
-      values = [take(f"model.layers.{i}.{module_path}.weight", hf_shape).T for i in range(config.num_layers)]
+      stacked = np.stack([take(f"model.layers.{i}.{module_path}.weight", hf_shape) for i in range(config.num_layers)])
+      variable.set_value(jnp.swapaxes(jnp.asarray(stacked, dtype), 1, 2))
     else:  # bias, norm weight
-      values = [take(f"model.layers.{i}.{module_path}.{leaf}", per_layer_shape)
-                for i in range(config.num_layers)]
-    assign(variable, np.stack(values))
+      assign(variable, np.stack([take(f"model.layers.{i}.{module_path}.{leaf}", per_layer_shape)
+                                 for i in range(config.num_layers)]))
 
   unused = sorted(k for k in tensors if k not in used and not k.endswith("rotary_emb.inv_freq"))
   if unused:
@@ -80,10 +82,12 @@ def to_hf_state_dict(model: CausalLM) -> dict[str, np.ndarray]:
       continue
     module_path = ".".join(str(p) for p in path[:-1])
     leaf = path[-1]
-    stacked = np.asarray(variable[...])
-    for i in range(config.num_layers):
-      if leaf == "kernel":
-        out[f"model.layers.{i}.{module_path}.weight"] = np.ascontiguousarray(stacked[i].T)
-      else:
+    if leaf == "kernel":  # transposed by XLA where the weights are, then copied out contiguous
+      stacked = np.asarray(jnp.swapaxes(variable[...], 1, 2))
+      for i in range(config.num_layers):
+        out[f"model.layers.{i}.{module_path}.weight"] = stacked[i]
+    else:
+      stacked = np.asarray(variable[...])
+      for i in range(config.num_layers):
         out[f"model.layers.{i}.{module_path}.{leaf}"] = stacked[i]
   return out
