@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU run: every cell of `benchmarks/gpu_run.py` (a float32 parity check, then jaxsft against
-# torch eager + peft and torch.compile at SmolLM2-135M, Llama-3.2-1B and Llama-3.1-8B shapes) on
+# torch eager + peft and torch.compile at SmolLM2-135M, Llama-3.2-1B and Llama-3.1-8B shapes, and
+# jaxsft's 8B step on an NF4 base) on
 # one NVIDIA GPU, in at most 8 minutes, with no network:
 #
 #   python -m benchmarks.gpu_wheels     # where pip reaches PyPI, once: the wheels the image lacks
@@ -14,7 +15,7 @@
 # venv that sees those packages (`--system-site-packages`) and installs the gathered wheels into it
 # offline (`--no-index --no-deps`), then runs the cells, each under its own limit; a failing cell
 # says why and the rest go on. Results: benchmarks/results/vs_torch_<cell>_gpu.{json,md},
-# parity_gpu.json and the list of cells gpu_run_gpu.{json,md}. The model weights are random, drawn
+# qlora_llama-3.1-8b_nf4_gpu.{json,md}, parity_gpu.json and the list of cells gpu_run_gpu.{json,md}. The model weights are random, drawn
 # from the real configs in configs/models (no download; speed does not depend on the values).
 #
 # --rehearse: the "image" is a python3.12 venv pinned to the GPU image's versions (made once with

@@ -8,11 +8,13 @@ sets up the environment and calls this).
   smollm2_f32    SmolLM2-135M's shapes (random weights), float32, 8x1024
   smollm2_bf16   the same in bfloat16 (jaxsft runs cuDNN attention: checked in the compiled step)
   llama1b_bf16   Llama-3.2-1B's shapes, bfloat16, 8x2048
+  llama8b_nf4    the same 8B step on an NF4 base (QLoRA; `benchmarks.qlora_step`), jaxsft alone
   llama8b_bf16   Llama-3.1-8B's shapes, bfloat16, 4x2048, LoRA r 16 on all seven linear layers
 
 Each speed cell is `benchmarks.vs_torch` against torch eager + peft and `torch.compile` (and TRL
 or Tunix where installed): step time, tokens/s, MFU against the GPU's data-sheet peak, peak
-device memory; its results go to benchmarks/results/vs_torch_{cell}_gpu.{json,md}. A cell that
+device memory; its results go to benchmarks/results/vs_torch_{cell}_gpu.{json,md} (the NF4 cell's to
+qlora_llama-3.1-8b_nf4_gpu.{json,md}). A cell that
 fails or runs out of time says why and the next one runs; gpu_run_gpu.{json,md} lists every cell.
 
 `--rehearse` runs every cell on the CPU with the tiny model at 2x64 and 3 steps (the same flags
@@ -33,9 +35,9 @@ import sys
 import time
 
 from benchmarks import common
+from benchmarks.vs_torch import ALL_LINEAR
 
 TOKENIZER = common.ROOT / "benchmarks" / "gpu_wheels" / "tokenizer"
-ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,13 +52,15 @@ class Cell:
   lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
 
 
-# Limits add up to 7 minutes; setup (venv, wheels, versions) takes the rest of gpu.sh's 8.
+# Limits add up to 7.5 minutes; setup (venv, wheels, versions) takes the rest of gpu.sh's 8.
 CELLS = (
-    Cell("parity", "tiny Llama float32 parity against transformers + peft (TF32 off)", 45),
-    Cell("smollm2_f32", "SmolLM2-135M shapes, float32, 8x1024", 60, "smollm2-135m", "float32", "8x1024"),
-    Cell("smollm2_bf16", "SmolLM2-135M shapes, bfloat16, 8x1024", 60, "smollm2-135m", "bfloat16", "8x1024"),
-    Cell("llama1b_bf16", "Llama-3.2-1B shapes, bfloat16, 8x2048", 95, "llama-3.2-1b", "bfloat16", "8x2048"),
-    Cell("llama8b_bf16", "Llama-3.1-8B shapes, bfloat16, 4x2048, LoRA r 16 on all linear layers", 160,
+    Cell("parity", "tiny Llama float32 parity against transformers + peft (TF32 off)", 35),
+    Cell("smollm2_f32", "SmolLM2-135M shapes, float32, 8x1024", 50, "smollm2-135m", "float32", "8x1024"),
+    Cell("smollm2_bf16", "SmolLM2-135M shapes, bfloat16, 8x1024", 50, "smollm2-135m", "bfloat16", "8x1024"),
+    Cell("llama1b_bf16", "Llama-3.2-1B shapes, bfloat16, 8x2048", 90, "llama-3.2-1b", "bfloat16", "8x2048"),
+    Cell("llama8b_nf4", "Llama-3.1-8B shapes, NF4 base (QLoRA), bfloat16, 4x2048, LoRA r 16 on all linear layers, "
+         "jaxsft alone", 60, "llama-3.1-8b", "bfloat16", "4x2048", 16, ALL_LINEAR),
+    Cell("llama8b_bf16", "Llama-3.1-8B shapes, bfloat16, 4x2048, LoRA r 16 on all linear layers", 165,
          "llama-3.1-8b", "bfloat16", "4x2048", 16, ALL_LINEAR),
 )
 REHEARSAL_LIMIT_S = 900  # per cell on a shared 2-core CPU
@@ -72,14 +76,18 @@ def cell_command(cell: Cell, *, rehearse: bool, torch_python: str | None, out_di
             "--out", str(out_dir / f"parity{'_rehearsal' if rehearse else '_gpu'}.json"),
             *(["--torch-python", torch_python] if torch_python else [])]
   steps, shape, model = ("3", "2x64", "tiny") if rehearse else ("6", cell.shape, cell.model)
+  suffix = f"_{cell.name}{'_rehearsal' if rehearse else '_gpu'}"
+  lora = ["--lora-rank", str(cell.lora_rank), "--lora-targets", *cell.lora_targets]
+  if cell.name.endswith("_nf4"):  # jaxsft alone: no bitsandbytes in the image for a PyTorch peer
+    return [python, "-m", "benchmarks.qlora_step", "--model", model, "--format", "nf4", "--shape", shape,
+            "--steps", steps, *lora, "--suffix", "_rehearsal" if rehearse else "_gpu", *data]
   limit = REHEARSAL_LIMIT_S if rehearse else cell.limit_s
   # Within the cell's limit (less a margin to write the results): the runs in order (jaxsft, torch
   # eager, peers), then torch.compile, each cut to what is left.
   cmd = [python, "-m", "benchmarks.vs_torch", "--model", model, "--dtype", cell.dtype, "--shapes", shape,
          "--steps", steps, "--reps", "1", "--quiet-wait", "0", "--device", "cpu" if rehearse else "cuda",
          "--timeout", str(int(limit * 0.5)), "--compile-timeout", str(int(limit * 0.5)), "--budget", str(limit - 15),
-         "--lora-rank", str(cell.lora_rank), "--lora-targets", *cell.lora_targets,
-         "--suffix", f"_{cell.name}{'_rehearsal' if rehearse else '_gpu'}", *data]
+         *lora, "--suffix", suffix, *data]
   if rehearse:
     cmd += ["--threads", "2"]
   if torch_python:
@@ -116,7 +124,7 @@ def run_cell(cell: Cell, *, rehearse: bool, torch_python: str | None, out_dir: p
     tail = (stderr or stdout).strip().splitlines()[-4:]
     log(f"   {cell.name}: failed (exit {proc.returncode}) in {seconds:.0f} s: {' | '.join(tail)}")
     return {"cell": cell.name, "status": "failed", "returncode": proc.returncode, "seconds": seconds, "error": tail}
-  summary = [l for l in lines if l.startswith(("parity", "  jaxsft", "  torch", "  trl", "  tunix"))]
+  summary = [l for l in lines if l.startswith(("parity", "qlora", "  jaxsft", "  torch", "  trl", "  tunix"))]
   for l in summary:
     log("   " + l.strip())
   for l in failed_runs:

