@@ -52,15 +52,17 @@ class Cell:
   lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
 
 
-# Limits add up to 7.5 minutes; setup (venv, wheels, versions) takes the rest of gpu.sh's 8.
+# Limits add up to 9 minutes; setup (venv, wheels, versions) takes the rest of gpu.sh's 9.5. On an
+# H200 with 16 cores the first cell also pays the fresh venv's cold imports, and a cell's parent
+# draws and writes the weights (an 8B model: about a minute) before its runs start.
 CELLS = (
-    Cell("parity", "tiny Llama float32 parity against transformers + peft (TF32 off)", 35),
-    Cell("smollm2_f32", "SmolLM2-135M shapes, float32, 8x1024", 50, "smollm2-135m", "float32", "8x1024"),
-    Cell("smollm2_bf16", "SmolLM2-135M shapes, bfloat16, 8x1024", 50, "smollm2-135m", "bfloat16", "8x1024"),
-    Cell("llama1b_bf16", "Llama-3.2-1B shapes, bfloat16, 8x2048", 90, "llama-3.2-1b", "bfloat16", "8x2048"),
+    Cell("parity", "tiny Llama float32 parity against transformers + peft (TF32 off)", 60),
+    Cell("smollm2_f32", "SmolLM2-135M shapes, float32, 8x1024", 60, "smollm2-135m", "float32", "8x1024"),
+    Cell("smollm2_bf16", "SmolLM2-135M shapes, bfloat16, 8x1024", 60, "smollm2-135m", "bfloat16", "8x1024"),
+    Cell("llama1b_bf16", "Llama-3.2-1B shapes, bfloat16, 8x2048", 100, "llama-3.2-1b", "bfloat16", "8x2048"),
     Cell("llama8b_nf4", "Llama-3.1-8B shapes, NF4 base (QLoRA), bfloat16, 4x2048, LoRA r 16 on all linear layers, "
-         "jaxsft alone", 60, "llama-3.1-8b", "bfloat16", "4x2048", 16, ALL_LINEAR),
-    Cell("llama8b_bf16", "Llama-3.1-8B shapes, bfloat16, 4x2048, LoRA r 16 on all linear layers", 165,
+         "jaxsft alone", 90, "llama-3.1-8b", "bfloat16", "4x2048", 16, ALL_LINEAR),
+    Cell("llama8b_bf16", "Llama-3.1-8B shapes, bfloat16, 4x2048, LoRA r 16 on all linear layers", 170,
          "llama-3.1-8b", "bfloat16", "4x2048", 16, ALL_LINEAR),
 )
 REHEARSAL_LIMIT_S = 900  # per cell on a shared 2-core CPU
@@ -100,9 +102,15 @@ def run_cell(cell: Cell, *, rehearse: bool, torch_python: str | None, out_dir: p
   limit = REHEARSAL_LIMIT_S if rehearse else cell.limit_s
   env = dict(os.environ, PYTHONPATH=str(common.ROOT), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
              XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  if not cell.name.endswith("_nf4"):
+    # The comparison's parent draws and writes the weights on the device, then waits for its runs:
+    # with the platform allocator it hands that memory back (XLA's pool would keep an 8B model's
+    # 32 GB from torch). `vs_torch.run_worker` gives its runs the default allocator again.
+    env["XLA_PYTHON_CLIENT_ALLOCATOR"] = "platform"
   if rehearse:
     env["JAX_PLATFORMS"] = "cpu"
   log(f"== {cell.name}: {cell.what} (limit {limit} s)")
+  started_at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
   t0 = time.perf_counter()
   # A session of its own: at the limit the cell's workers (and torch.compile's) go with it, so
   # they hold neither the device nor the cores in the next cell.
@@ -115,7 +123,7 @@ def run_cell(cell: Cell, *, rehearse: bool, torch_python: str | None, out_dir: p
     stdout, stderr = proc.communicate()
     tail = stdout.strip().splitlines()[-3:]
     log(f"   {cell.name}: ran past its {limit} s limit; last lines: {' | '.join(tail)}")
-    return {"cell": cell.name, "status": "timeout", "limit_s": limit, "seconds": time.perf_counter() - t0,
+    return {"cell": cell.name, "started_at": started_at, "status": "timeout", "limit_s": limit, "seconds": time.perf_counter() - t0,
             "last_lines": tail}
   seconds = time.perf_counter() - t0
   lines = stdout.strip().splitlines()
@@ -123,13 +131,13 @@ def run_cell(cell: Cell, *, rehearse: bool, torch_python: str | None, out_dir: p
   if proc.returncode != 0:
     tail = (stderr or stdout).strip().splitlines()[-4:]
     log(f"   {cell.name}: failed (exit {proc.returncode}) in {seconds:.0f} s: {' | '.join(tail)}")
-    return {"cell": cell.name, "status": "failed", "returncode": proc.returncode, "seconds": seconds, "error": tail}
+    return {"cell": cell.name, "started_at": started_at, "status": "failed", "returncode": proc.returncode, "seconds": seconds, "error": tail}
   summary = [l for l in lines if l.startswith(("parity", "qlora", "  jaxsft", "  torch", "  trl", "  tunix"))]
   for l in summary:
     log("   " + l.strip())
   for l in failed_runs:
     log("   " + l)
-  return {"cell": cell.name, "status": "ok" if not failed_runs else "partial", "seconds": seconds,
+  return {"cell": cell.name, "started_at": started_at, "status": "ok" if not failed_runs else "partial", "seconds": seconds,
           "failed_runs": failed_runs, "lines": summary}
 
 
@@ -140,11 +148,12 @@ def markdown(result: dict, cells) -> str:
   if result["rehearse"]:
     lines += ["Every cell of `bash benchmarks/gpu.sh` run on the CPU with the tiny model at 2x64, 3 steps (the "
               "same flags otherwise): these are not figures, they show that every line runs.", ""]
-  lines += ["| cell | what | status | seconds | notes |", "| --- | --- | --- | ---: | --- |"]
+  lines += ["| cell | what | status | started | seconds | notes |", "| --- | --- | --- | --- | ---: | --- |"]
   for cell, r in zip(cells, result["cells"]):
     notes = "; ".join(r.get("failed_runs") or r.get("error") or r.get("last_lines") or [])
-    lines.append(f"| {cell.name} | {cell.what} | {r['status']} | {r['seconds']:.0f} | {notes.replace('|', '/')} |")
-  lines += ["", f"Total {result['seconds']:.0f} s.", ""]
+    lines.append(f"| {cell.name} | {cell.what} | {r['status']} | {r.get('started_at', '')} | {r['seconds']:.0f} | "
+                 f"{notes.replace('|', '/')} |")
+  lines += ["", f"Total of the last call ({result['command']}): {result['seconds']:.0f} s.", ""]
   for r in result["cells"]:
     if r.get("lines"):
       lines += [f"{r['cell']}:", "", "```", *[l.strip() for l in r["lines"]], "```", ""]
@@ -175,17 +184,25 @@ def main(argv=None) -> int:
   out_dir.mkdir(parents=True, exist_ok=True)
   log = lambda s: print(s, flush=True)
   cells = [c for c in CELLS if not args.only or c.name in args.only]
-  results = []
+  results = ran = []
   for cell in cells:
     results.append(run_cell(cell, rehearse=args.rehearse, torch_python=args.torch_python, out_dir=out_dir, log=log))
-  command = "bash benchmarks/gpu.sh" + (" --rehearse" if args.rehearse else "")
-  result = {"command": command, "rehearse": args.rehearse, "machine": common.machine_info(), "versions": versions(),
-            "torch_python": args.torch_python, "cells": results, "seconds": time.perf_counter() - start}
+  command = ("bash benchmarks/gpu.sh" + (" --rehearse" if args.rehearse else "")
+             + (" --only " + " ".join(args.only) if args.only else ""))
+  seconds = time.perf_counter() - start
+  ok = sum(r["status"] == "ok" for r in results)
   stem = "gpu_rehearsal" if args.rehearse else "gpu_run_gpu"
+  path = out_dir / f"{stem}.json"
+  if args.only and path.is_file():  # the cells not run again keep their earlier results (and start times)
+    by_name = {r["cell"]: r for r in json.loads(path.read_text())["cells"]}
+    by_name.update({r["cell"]: r for r in results})
+    cells = [c for c in CELLS if c.name in by_name]
+    results = [by_name[c.name] for c in cells]
+  result = {"command": command, "rehearse": args.rehearse, "machine": common.machine_info(), "versions": versions(),
+            "torch_python": args.torch_python, "cells": results, "seconds": seconds}
   common.write_results(stem, result, markdown(result, cells))
-  log(f"gpu_run: {sum(r['status'] == 'ok' for r in results)}/{len(results)} cells ok in {result['seconds']:.0f} s; "
-      f"wrote {out_dir}/{stem}.{{json,md}}")
-  return 0 if all(r["status"] == "ok" for r in results) else 1
+  log(f"gpu_run: {ok}/{len(ran)} cells ok in {seconds:.0f} s; wrote {out_dir}/{stem}.{{json,md}}")
+  return 0 if ok == len(ran) else 1
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ Writes benchmarks/results/vs_torch{suffix}.json and .md.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import pathlib
@@ -530,6 +531,7 @@ def run_worker(framework: str, workdir, shape, *, steps, dtype, device, threads,
          "--shape", f"{shape[0]}x{shape[1]}", "--steps", str(steps), "--dtype", dtype, "--device", device,
          "--threads", str(threads)]
   env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(common.ROOT))
+  env.pop("XLA_PYTHON_CLIENT_ALLOCATOR", None)  # the parent's choice (gpu_run), not the runs'
   if device == "cpu":
     env.setdefault("JAX_PLATFORMS", "cpu")
   if framework == "torch_compile":  # a cold compile, like jaxsft's (no on-disk cache from earlier runs)
@@ -810,6 +812,12 @@ def run_comparison(*, model_name: str, shapes, steps: int, reps: int, dtype: str
     meta = prepare(workdir, model_name=model_name, shapes=shapes, steps=steps, log=log, num_layers=num_layers,
                    weights_dtype=dtype if device != "cpu" else "float32", lora_r=lora_r, lora_targets=lora_targets,
                    dataset=dataset, tokenizer_dir=tokenizer_dir)
+    gc.collect()  # the drawn model's arrays (its graph holds cycles), before the runs need the device
+    if device != "cpu":
+      import jax
+
+      in_use = (jax.devices()[0].memory_stats() or {}).get("bytes_in_use", 0)
+      log(f"device memory the comparison's own process still holds: {in_use / 2**30:.2f} GiB")
     trained = {}
     for b, t in shapes:
       labels = np.load(workdir / f"batches_{b}x{t}.npz")["labels"][1:]
