@@ -107,6 +107,11 @@ def trl_worker(batches: list[dict], meta: dict, *, steps: int, dtype: str, devic
 
 
 # --------------------------------------------------------------------------- Tunix
+def rope_theta(hf_config: dict) -> float:
+  """The RoPE base of a config.json: top-level in transformers 4, in `rope_parameters` in 5."""
+  return hf_config.get("rope_theta") or (hf_config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+
+
 def tunix_model_config(hf_config: dict):
   """Tunix's `llama3.ModelConfig` for a transformers Llama config.json (no Llama-3.1 frequency
   scaling in Tunix: the step's work is the same, the values differ from transformers')."""
@@ -117,7 +122,7 @@ def tunix_model_config(hf_config: dict):
       embed_dim=hf_config["hidden_size"], hidden_dim=hf_config["intermediate_size"],
       num_heads=hf_config["num_attention_heads"],
       head_dim=hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"],
-      num_kv_heads=hf_config["num_key_value_heads"], rope_theta=int(hf_config.get("rope_theta", 10000.0)),
+      num_kv_heads=hf_config["num_key_value_heads"], rope_theta=int(rope_theta(hf_config)),
       norm_eps=hf_config["rms_norm_eps"], weight_tying=bool(hf_config.get("tie_word_embeddings", False)))
 
 

@@ -165,8 +165,13 @@ def _torch_from_gguf(model_name: str, hf_dir: pathlib.Path, log=print) -> str:
   t0 = time.perf_counter()
   gguf_model = transformers.AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file,
                                                                  dtype=torch.float32)
-  # A GGUF-loaded model can't save_pretrained directly: rebuild it from its config first.
-  model = transformers.AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.float32)
+  # A GGUF-loaded model can't save_pretrained directly: rebuild it from its config first, without
+  # the GGUF quantization entry (the weights are dequantized float32 now; TRL's Trainer refuses a
+  # model whose config says it is quantized).
+  config = gguf_model.config
+  if hasattr(config, "quantization_config"):
+    del config.quantization_config
+  model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
   model.load_state_dict(gguf_model.state_dict())
   model.save_pretrained(hf_dir)
   log(f"transformers loaded {source.gguf_file} and saved it as safetensors in {time.perf_counter() - t0:.0f} s")

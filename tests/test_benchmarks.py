@@ -313,3 +313,11 @@ def test_qlora_step_trains_a_drawn_nf4_base_on_vs_torchs_batches():
   assert r["mfu"] is None and r["device_peak_mib"] is None and r["peak_rss_mib"] > 100
   assert r["tokens_per_s"] == pytest.approx(2 * 64 / r["step_s"])
   assert "| 0.0" in qlora_step.markdown(r, "test") and "nf4 codes (block 32)" in qlora_step.markdown(r, "test")
+
+
+def test_peers_read_the_rope_base_where_each_transformers_writes_it():
+  from benchmarks import peers
+
+  assert peers.rope_theta({"rope_theta": 5e5}) == 5e5  # transformers 4
+  assert peers.rope_theta({"rope_parameters": {"rope_type": "default", "rope_theta": 1e5}}) == 1e5  # 5
+  assert peers.rope_theta({}) == 10000.0
