@@ -82,8 +82,8 @@ def to_hf_state_dict(model: CausalLM) -> dict[str, np.ndarray]:
       continue
     module_path = ".".join(str(p) for p in path[:-1])
     leaf = path[-1]
-    if leaf == "kernel":  # transposed by XLA where the weights are, then copied out contiguous
-      stacked = np.asarray(jnp.swapaxes(variable[...], 1, 2))
+    if leaf == "kernel":  # transposed by XLA where the weights are, then copied out (writable, as numpy's own)
+      stacked = np.array(jnp.swapaxes(variable[...], 1, 2))
       for i in range(config.num_layers):
         out[f"model.layers.{i}.{module_path}.weight"] = stacked[i]
     else:
