@@ -777,12 +777,16 @@ def machine_peak(machine: dict, dtype: str, device: str, threads: int, torch_pyt
     precision = " (TF32 tensor cores)" if dtype == "float32" else ""
     return {"flops": peak, "source": f"the {machine.get('device')} data-sheet {dtype}{precision} peak"} if peak else {}
   rates = {}
-  for framework, python in (("jax", sys.executable), ("torch", torch_python or sys.executable)):
-    cmd = [python, "-m", "benchmarks.matmul", "--worker", framework, "--threads", str(threads), "--calls", "10"]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=common.ROOT,
-                         env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(common.ROOT)))
-    if out.returncode == 0:
-      rates[framework] = json.loads(out.stdout.strip().splitlines()[-1])["forward_gflops"] * 1e9
+  # The best of two alternated measurements of 30 calls each: one short measurement on a VM whose
+  # rate moves came out below the train step's own rate.
+  for _ in range(2):
+    for framework, python in (("jax", sys.executable), ("torch", torch_python or sys.executable)):
+      cmd = [python, "-m", "benchmarks.matmul", "--worker", framework, "--threads", str(threads), "--calls", "30"]
+      out = subprocess.run(cmd, capture_output=True, text=True, cwd=common.ROOT,
+                           env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(common.ROOT)))
+      if out.returncode == 0:
+        rate = json.loads(out.stdout.strip().splitlines()[-1])["forward_gflops"] * 1e9
+        rates[framework] = max(rates.get(framework, 0.0), rate)
   if not rates:
     return {}
   best = max(rates, key=rates.get)
