@@ -78,18 +78,18 @@ def cell_command(cell: Cell, *, rehearse: bool, torch_python: str | None, out_di
             "--out", str(out_dir / f"parity{'_rehearsal' if rehearse else '_gpu'}.json"),
             *(["--torch-python", torch_python] if torch_python else [])]
   steps, shape, model = ("3", "2x64", "tiny") if rehearse else ("6", cell.shape, cell.model)
-  suffix = f"_{cell.name}{'_rehearsal' if rehearse else '_gpu'}"
+  where = "_rehearsal" if rehearse else "_gpu"
   lora = ["--lora-rank", str(cell.lora_rank), "--lora-targets", *cell.lora_targets]
   if cell.name.endswith("_nf4"):  # jaxsft alone: no bitsandbytes in the image for a PyTorch peer
     return [python, "-m", "benchmarks.qlora_step", "--model", model, "--format", "nf4", "--shape", shape,
-            "--steps", steps, *lora, "--suffix", "_rehearsal" if rehearse else "_gpu", *data]
+            "--steps", steps, *lora, "--suffix", where, *data]
   limit = REHEARSAL_LIMIT_S if rehearse else cell.limit_s
   # Within the cell's limit (less a margin to write the results): the runs in order (jaxsft, torch
   # eager, peers), then torch.compile, each cut to what is left.
   cmd = [python, "-m", "benchmarks.vs_torch", "--model", model, "--dtype", cell.dtype, "--shapes", shape,
          "--steps", steps, "--reps", "1", "--quiet-wait", "0", "--device", "cpu" if rehearse else "cuda",
          "--timeout", str(int(limit * 0.5)), "--compile-timeout", str(int(limit * 0.5)), "--budget", str(limit - 15),
-         *lora, "--suffix", suffix, *data]
+         *lora, "--suffix", f"_{cell.name}{where}", *data]
   if rehearse:
     cmd += ["--threads", "2"]
   if torch_python:

@@ -31,7 +31,6 @@ from benchmarks import common, model_flops, vs_torch
 
 def run(*, model_name: str, fmt: str, shape: tuple[int, int], steps: int, lora_r: int, lora_targets, dataset: str,
         tokenizer_dir=None) -> dict:
-  import jax
   from flax import nnx
 
   from jaxsft import quant
@@ -58,8 +57,8 @@ def run(*, model_name: str, fmt: str, shape: tuple[int, int], steps: int, lora_r
   flops = model_flops.step_flops(model_flops.StepShape.from_hf_config(
       to_hf_config(config), batch=shape[0], length=shape[1], trained_tokens=trained, lora_rank=lora_r,
       lora_targets=tuple(lora_targets)))["step"]
-  peak = model_flops.gpu_peak(machine["device"], "bfloat16") if machine["backend"] == "gpu" else None
-  stats = (jax.devices()[0].memory_stats() or {}) if machine["backend"] == "gpu" else {}
+  on_gpu = machine["backend"] == "gpu"
+  peak = model_flops.gpu_peak(machine["device"], "bfloat16") if on_gpu else None
   return {"machine": machine, "model": model_name, "format": fmt, "block": quant.formats.DEFAULT_BLOCK,
           "shape": f"{shape[0]}x{shape[1]}", "steps": steps, "lora": {"r": lora_r, "alpha": 2 * lora_r,
                                                                       "targets": list(lora_targets)},
@@ -68,8 +67,7 @@ def run(*, model_name: str, fmt: str, shape: tuple[int, int], steps: int, lora_r
           "tokens_per_s": shape[0] * shape[1] / step_s, "trained_tokens_per_s": trained / step_s,
           "model_flops": flops, "model_flops_per_s": flops / step_s, "peak_flops": peak,
           "mfu": flops / step_s / peak if peak else None, "losses": losses, "recompiles": step.recompiles,
-          "device_peak_mib": stats.get("peak_bytes_in_use", 0) / 2**20 if stats else None,
-          "peak_rss_mib": common.peak_rss_mib()}
+          "device_peak_mib": None, **vs_torch.memory("jaxsft", "cuda" if on_gpu else "cpu")}
 
 
 def markdown(r: dict, command: str) -> str:

@@ -184,7 +184,8 @@ def _load_batches(workdir: pathlib.Path, shape) -> list[dict]:
   return [{k: data[k][i] for k in data.files} for i in range(data["input_ids"].shape[0])]
 
 
-def _memory(framework: str, device: str) -> dict:
+def memory(framework: str, device: str) -> dict:
+  """Peak RSS of this process, and on a GPU the framework's peak device allocation (MiB)."""
   out = {"peak_rss_mib": common.peak_rss_mib()}
   if framework == "jaxsft" and device != "cpu":
     import jax
@@ -244,7 +245,7 @@ def jax_worker(workdir, meta, shape, steps, dtype, device) -> dict:
           "losses": losses, "recompiles": step.recompiles, "backend": jax.default_backend(),
           "xla_flops": cost.get("flops"), "xla_bytes_accessed": cost.get("bytes accessed"),
           "cudnn_attention": cudnn_attention,
-          **_memory("jaxsft", device)}
+          **memory("jaxsft", device)}
 
 
 def torch_worker(workdir, meta, shape, steps, dtype, device, threads, compile_model) -> dict:
@@ -291,7 +292,7 @@ def torch_worker(workdir, meta, shape, steps, dtype, device, threads, compile_mo
     cpu_times.append(time.process_time() - c)
   return {"load_s": load_s, "first_step_s": first_step_s, "step_times": times, "step_cpu_times": cpu_times,
           "losses": losses,
-          "threads": torch.get_num_threads(), "torch": torch.__version__, **_memory("torch", device)}
+          "threads": torch.get_num_threads(), "torch": torch.__version__, **memory("torch", device)}
 
 
 PROFILE_REPS = int(os.environ.get("JAXSFT_PROFILE_REPS", "3"))
@@ -512,12 +513,12 @@ def worker_main(args) -> int:
     from benchmarks import peers
 
     out = peers.trl_worker(_load_batches(workdir, shape), meta, steps=args.steps, dtype=args.dtype, device=args.device,
-                           threads=args.threads, lr=LR, memory=_memory)
+                           threads=args.threads, lr=LR, memory=memory)
   elif args.worker == "tunix_peft":
     from benchmarks import peers
 
     out = peers.tunix_worker(_load_batches(workdir, shape), meta, steps=args.steps, dtype=args.dtype,
-                             device=args.device, lr=LR, memory=_memory)
+                             device=args.device, lr=LR, memory=memory)
   elif args.worker in ("jaxsft_profile", "torch_profile"):
     out = profile_worker(args.worker, workdir, meta, shape, args.dtype, args.device, args.threads)
   else:
