@@ -2,10 +2,11 @@
 # The GPU run: every cell of `benchmarks/gpu_run.py` (a float32 parity check, then jaxsft against
 # torch eager + peft and torch.compile at SmolLM2-135M, Llama-3.2-1B and Llama-3.1-8B shapes, and
 # jaxsft's 8B step on an NF4 base) on
-# one NVIDIA GPU, in at most 9.5 minutes, with no network:
+# one NVIDIA GPU, in at most 17.5 minutes (the cells' limits add up to 17; where a call is capped at 10
+# minutes, run it as two calls with --only), with no network:
 #
 #   python -m benchmarks.gpu_wheels     # where pip reaches PyPI, once: the wheels the image lacks
-#                                       # (grain, gguf, ...) into benchmarks/gpu_wheels (~5 MB, ignored)
+#                                       # (grain, gguf, ...) into benchmarks/gpu_wheels (~8 MB, ignored)
 #   bash benchmarks/gpu.sh              # on the GPU machine, from the repository root
 #   bash benchmarks/gpu.sh --rehearse   # here, first: the same script on the CPU at tiny sizes
 #   bash benchmarks/gpu.sh --only parity llama8b_bf16   # some cells again (gpu_run's arguments)
@@ -32,7 +33,7 @@ MODE=gpu
 [ "${1:-}" = "--rehearse" ] && MODE=rehearse && shift
 WHEELS=benchmarks/gpu_wheels
 RUN_VENV="${RUN_VENV:-${TMPDIR:-/tmp}/jaxsft-gpu-run-venv}"
-TOTAL_LIMIT="${TOTAL_LIMIT:-570}"
+TOTAL_LIMIT="${TOTAL_LIMIT:-1050}"
 start=$(date +%s)
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH="$PWD"
 refuse() { echo "gpu.sh: cannot run: $*" >&2; exit 2; }
