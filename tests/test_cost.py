@@ -2,6 +2,7 @@
 batch sizes, fill rows, T-dependent step cost and priced compiles)."""
 
 import itertools
+import json
 import math
 
 import numpy as np
@@ -20,6 +21,32 @@ def test_fit_recovers_the_cost_of_exact_samples():
   np.testing.assert_allclose([fitted.a, fitted.b, fitted.c], [true.a, true.b, true.c], rtol=1e-6)
   np.testing.assert_allclose([fitted.compile_base, fitted.compile_per_width], [1.0, 2e-3], rtol=1e-6)
   assert fitted.source == "measured: 5 shapes"
+  # Exact samples leave nothing to correct: r(T) = 1 at every timed width.
+  np.testing.assert_allclose([r for _, r in fitted.step_ratios + fitted.compile_ratios], 1.0, rtol=1e-6)
+
+
+def test_every_timed_width_costs_what_it_measured_and_the_cost_survives_json():
+  # A step whose time jumps between 256 and 512 (as a CPU's does past a cache size): no three-term
+  # fit passes through all six, the correction makes each timed width cost its measurement.
+  measured = {32: 0.9, 64: 1.6, 128: 3.4, 256: 6.9, 512: 17.7, 1024: 41.2}
+  compiled = {32: 6.3, 64: 2.9, 128: 3.4, 256: 4.2, 512: 5.8, 1024: 9.4}
+  fitted = fit_step_cost([(8, t, s) for t, s in measured.items()], [(8, t, s) for t, s in compiled.items()])
+  smooth = StepCost(fitted.a, fitted.b, fitted.c, fitted.compile_base, fitted.compile_per_width)
+  assert max(abs(float(smooth.step_seconds(8, t)) / s - 1) for t, s in measured.items()) > 0.02  # the fit alone misses
+  for t, s in measured.items():
+    assert float(fitted.step_seconds(8, t)) == pytest.approx(s, rel=1e-9)
+    assert float(fitted.compile_seconds(8, t)) == pytest.approx(compiled[t], rel=1e-9)
+  # Between two timed widths r is linear; past the ends it holds the end's ratio; B scales the fit.
+  r = dict(fitted.step_ratios)
+  mid = float(fitted.step_seconds(8, 384)) / float(smooth.step_seconds(8, 384))
+  assert mid == pytest.approx((r[256] + r[512]) / 2, rel=1e-9)
+  assert float(fitted.step_seconds(4, 2048)) == pytest.approx(float(smooth.step_seconds(4, 2048)) * r[1024], rel=1e-9)
+  assert float(fitted.step_seconds(8, 16)) == pytest.approx(float(smooth.step_seconds(8, 16)) * r[32], rel=1e-9)
+  widths = np.array([64, 300, 1024])  # arrays broadcast as before
+  np.testing.assert_allclose(fitted.step_seconds(8, widths), [float(fitted.step_seconds(8, int(t))) for t in widths])
+  # summary.json keeps the cost; `jaxsft.data stats --cost-from` rebuilds it from the lists JSON gives.
+  again = StepCost(**json.loads(json.dumps(fitted.to_dict())))
+  assert again == fitted and float(again.step_seconds(8, 300)) == float(fitted.step_seconds(8, 300))
 
 
 def test_fit_uses_fewer_terms_when_shapes_cannot_tell_them_apart():

@@ -19,7 +19,14 @@ and a plan that emits n_s batches of shape s over the run and compiles the set S
     seconds(plan) = Σ_s n_s · step_seconds(s)  +  h · trained tokens  +  Σ_{s ∈ S} compile_seconds(s).
 
 `fit_step_cost` fits (a, b, c) by non-negative least squares to measured (B, T, seconds) triples,
-with fewer terms when there are too few distinct shapes to tell them apart.
+with fewer terms when there are too few distinct shapes to tell them apart. Where more widths were
+timed than the fit has terms, each form is multiplied by its measured correction
+
+    r(T) = measured / fitted at the timed widths T_i, piecewise linear in T between them,
+           r(T_1) below the narrowest and r(T_n) above the widest,
+
+so every timed width costs what it measured: a step's time on a CPU is not smooth in T (cache
+sizes), and three terms alone misrank plans a few percent apart. r = 1 where the fit is exact.
 """
 
 from __future__ import annotations
@@ -44,16 +51,25 @@ class StepCost:
   compile_per_width: float = 0.0
   per_trained_token: float = 0.0
   source: str = "given"
+  step_ratios: tuple[tuple[float, float], ...] = ()
+  """(T_i, measured / fitted step seconds) at the timed widths, narrowest first: r(T) of the step."""
+  compile_ratios: tuple[tuple[float, float], ...] = ()
+  """The same for the compile seconds."""
+
+  def __post_init__(self):  # from JSON the pairs come as lists
+    for name in ("step_ratios", "compile_ratios"):
+      object.__setattr__(self, name, tuple((float(t), float(r)) for t, r in getattr(self, name)))
 
   def step_seconds(self, batch_size, width):
-    """a + b·B·T + c·B·T² (numpy arrays broadcast)."""
+    """(a + b·B·T + c·B·T²)·r(T) (numpy arrays broadcast)."""
     tokens = np.multiply(batch_size, width, dtype=np.float64)
-    return self.a + self.b * tokens + self.c * tokens * width
+    return (self.a + self.b * tokens + self.c * tokens * width) * _ratio(self.step_ratios, width)
 
   def compile_seconds(self, batch_size, width):
-    """p + q·T: a compile's time grows slowly with the shape (B does not enter the fit)."""
+    """(p + q·T)·r(T): a compile's time grows slowly with the shape (B does not enter the fit)."""
     del batch_size
-    return self.compile_base + self.compile_per_width * np.asarray(width, dtype=np.float64)
+    width = np.asarray(width, dtype=np.float64)
+    return (self.compile_base + self.compile_per_width * width) * _ratio(self.compile_ratios, width)
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -65,6 +81,27 @@ class StepCost:
 # models; what the default keeps is the balance of per-step, per-token, attention and compile costs.
 DEFAULT_COST = StepCost(a=0.088, b=6.98e-4, c=2.54e-7, compile_base=2.25, compile_per_width=1.39e-3,
                         source="default: smollm2-shaped-4l on a 2-core CPU (benchmarks/results/collation.json)")
+
+
+def _ratio(pairs: tuple[tuple[float, float], ...], width):
+  """r(T): 1 without pairs, else piecewise linear through them and constant past the ends."""
+  if not pairs:
+    return 1.0
+  widths, ratios = zip(*pairs)
+  return np.interp(np.asarray(width, dtype=np.float64), widths, ratios)
+
+
+def _ratios(samples: list[tuple[int, int, float]], fitted) -> tuple[tuple[float, float], ...]:
+  """(T, mean of measured / fitted(B, T) over the samples of width T) per width, where the fit is
+  positive; none where one width or fewer was timed (nothing to interpolate between)."""
+  per_width: dict[int, list[float]] = {}
+  for b, t, seconds in samples:
+    predicted = float(fitted(b, t))
+    if predicted > 0:
+      per_width.setdefault(t, []).append(seconds / predicted)
+  if len(per_width) < 2:
+    return ()
+  return tuple((float(t), float(np.mean(r))) for t, r in sorted(per_width.items()))
 
 
 def _nonnegative_least_squares(design: np.ndarray, target: np.ndarray) -> np.ndarray:
@@ -88,7 +125,7 @@ def fit_step_cost(samples: Iterable[tuple[int, int, float]],
   Non-negative least squares over the terms the samples can tell apart: a, b·B·T and c·B·T² with
   three or more distinct shapes; a and b·B·T with two; b·B·T alone with one (the step is then
   taken as proportional to its tokens). Compiles: p + q·T with two or more distinct widths, p alone
-  with one, zero with none.
+  with one, zero with none. Then r(T) of each from the same samples (module docstring).
   """
   samples = [(int(b), int(t), float(s)) for b, t, s in samples]
   if not samples:
@@ -113,8 +150,10 @@ def fit_step_cost(samples: Iterable[tuple[int, int, float]],
   untrained = {(b, t): s for b, t, s in samples}
   extra = [(s - untrained[(b, t)]) / (b * t) for b, t, s in trained_samples if (b, t) in untrained]
   per_trained = max(float(np.mean(extra)), 0.0) if extra else 0.0
-  return StepCost(*map(float, coef), *map(float, compile_coef), per_trained_token=per_trained,
-                  source=f"measured: {distinct} shapes")
+  fitted = StepCost(*map(float, coef), *map(float, compile_coef), per_trained_token=per_trained,
+                    source=f"measured: {distinct} shapes")
+  return dataclasses.replace(fitted, step_ratios=_ratios(samples, fitted.step_seconds),
+                             compile_ratios=_ratios(compile_samples, fitted.compile_seconds))
 
 
 @dataclasses.dataclass(frozen=True)
