@@ -269,14 +269,15 @@ def fit_cost(calibration: dict):
                        [(*p["shape"], p["step_s"]) for p in points])
 
 
-def choose_auto(tokenized, cost, *, max_length: int, batch_size: int, trained: int) -> dict:
+def choose_auto(tokenized, cost, *, max_length: int, batch_size: int, trained: int, seed: int = 0) -> dict:
   """What `batching: auto` picks for one epoch of these examples under `cost`, with the runners-up.
-  As the trainer does, max_length becomes the longest example rounded up to 8 (the widest bucket)."""
-  from jaxsft.data import round_up
+  As the trainer does, max_length becomes the longest example rounded up to 8 (the widest bucket)
+  and the lengths are taken in the epoch's order (`seed`, as `count_mode`'s)."""
+  from jaxsft.data import epoch_lengths, round_up
   from jaxsft.data.choose import choose_collation
 
   max_length = min(max_length, round_up(int(tokenized.lengths.max()), 8))
-  candidates = choose_collation(tokenized.lengths, cost=cost, max_length=max_length, batch_size_for=lambda t: batch_size,
+  candidates = choose_collation(epoch_lengths(tokenized, seed=seed), cost=cost, max_length=max_length, batch_size_for=lambda t: batch_size,
                                 epochs=1.0, trained_tokens=trained)
   best = candidates[0]
   return {"name": best.name, "batching": best.batching, "max_length": max_length,
@@ -347,7 +348,7 @@ def run_study(*, datasets, model_name: str, examples: int, max_length: int, batc
   result["cost"] = cost.to_dict()
   for name, per in result["datasets"].items():
     per["auto"] = choose_auto(tokenized_of[name], cost, max_length=max_length, batch_size=batch_size,
-                              trained=per["modes"]["static"]["trained"])
+                              trained=per["modes"]["static"]["trained"], seed=seed)
     auto_max = per["auto"]["max_length"]
     summary, shapes = count_mode(records_of[name], tokenizer, "auto", max_length=auto_max, batch_size=batch_size,
                                  seed=seed, tokenized=tokenized_of[name].with_max_length(auto_max),

@@ -143,7 +143,7 @@ def trained_tokens(tokenized, sample: int = 20_000) -> int:
 def predicted(choice_cost: cost_lib.StepCost, batching: dict, lengths: np.ndarray, shapes: list[tuple[int, int]], *,
               batch_size_for: Callable[[int], int], epochs: float, trained: int = 0) -> cost_lib.PlanSeconds:
   """The plan's predicted seconds under `choice_cost`: its batches per shape over the training
-  lengths (in stored order) and `trained` trained labels, `epochs` times, and a compile per shape
+  lengths (in the first epoch's order: `data.epoch_lengths`) and `trained` trained labels, `epochs` times, and a compile per shape
   in `shapes`."""
   per_shape, _ = choose_lib.batches_per_shape(batching["batching"], lengths, max_length=batching["max_length"],
                                               batch_size_for=batch_size_for, bucket_lengths=batching["bucket_lengths"],

@@ -231,6 +231,29 @@ def test_count_batches_equals_one_epoch(records, tokenizer, tokens, batching, ex
   assert count_batches(tokens, num_epochs=5, worker_count=2, **config) == emitted > 0  # epochs, workers: ignored
 
 
+@pytest.mark.parametrize("batching,extra", [("dynamic", {}), ("bucketed_packed", {"bucket_lengths": [64, 256]})])
+def test_epoch_lengths_are_the_epochs_order_and_price_its_batches(records, tokenizer, tokens, batching, extra):
+  """`epoch_lengths` is the order the first epoch reads (what the cost model packs and groups when
+  `auto` chooses): from it, dynamic padding's and bucketed packing's batches per shape are the
+  epoch's, which the record order does not give."""
+  from jaxsft.data import epoch_lengths
+  from jaxsft.data.choose import batches_per_shape
+
+  one_by_one = make_batches(records, tokenizer, max_length=MAX_LENGTH, batching="dynamic", batch_size=1,
+                            pad_to_multiple_of=1, seed=3, tokenized=tokens)
+  in_epoch = epoch_lengths(tokens, seed=3)
+  assert [int(b["attention_mask"].sum()) for b in one_by_one] == in_epoch.tolist()
+  assert sorted(in_epoch.tolist()) == sorted(tokens.lengths.tolist()) and not np.array_equal(in_epoch, tokens.lengths)
+  config = dict(max_length=MAX_LENGTH, batching=batching, batch_size=4, seed=3, **extra)
+  emitted = {}
+  for b in make_batches(records, tokenizer, tokenized=tokens, **config):
+    emitted[b["input_ids"].shape] = emitted.get(b["input_ids"].shape, 0) + 1
+  counted = lambda lengths: batches_per_shape(batching, lengths, max_length=MAX_LENGTH, batch_size_for=lambda t: 4,
+                                              bucket_lengths=extra.get("bucket_lengths"))[0]
+  assert counted(in_epoch) == emitted
+  assert counted(tokens.lengths) != emitted  # record order: other batches
+
+
 class EncodeCounter:
   """The real tokenizer, but its backend counts the texts it encodes."""
 

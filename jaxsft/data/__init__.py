@@ -13,7 +13,7 @@ from jaxsft.data.bucketing import BatchPlan, BucketBatchIterDataset
 from jaxsft.data.collate import (PaddingCost, bucket_index, choose_buckets, collate, padding_cost, round_up,
                                  target_length)
 from jaxsft.data.examples import TokenizedRecords
-from jaxsft.data.pipeline import BATCHING, batch_shapes, count_batches, make_batches
+from jaxsft.data.pipeline import BATCHING, batch_shapes, count_batches, epoch_lengths, make_batches
 from jaxsft.data.pipeline_stats import PipelineStats
 from jaxsft.data.records import (FORMATS, ON_ERROR, DataError, Record, SkipReport, iter_records, load_records,
                                  normalize_record)
@@ -26,7 +26,7 @@ __all__ = [
     "BATCHING", "BatchPlan", "BucketBatchIterDataset", "DataError", "FORMATS", "IGNORE_INDEX", "ON_ERROR",
     "PLAIN_CHAT_TEMPLATE", "PaddingCost", "PipelineStats", "Record", "SkipReport", "SpanRenderer", "StoreError",
     "TRAIN_ON", "TokenStore", "TokenizedRecords", "batch_shapes", "bucket_index", "choose_buckets", "collate",
-    "count_batches", "encode_batches", "iter_records", "load_records", "make_batches", "normalize_record",
+    "count_batches", "epoch_lengths", "encode_batches", "iter_records", "load_records", "make_batches", "normalize_record",
     "open_or_build", "padding_cost", "render_with_spans", "round_up", "target_length", "tokenize_example",
     "tokenize_file", "tokenize_records",
 ]

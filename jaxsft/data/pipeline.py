@@ -312,6 +312,16 @@ def batch_shapes(records: Sequence[dict] | None = None, tokenizer=None, *, lengt
   return sorted(zip(plan.batch_sizes, plan.bucket_lengths))
 
 
+def epoch_lengths(tokenized: TokenizedRecords, *, seed: int = 0, shuffle: bool = True) -> np.ndarray:
+  """The kept examples' token counts in the order the first epoch of `make_batches` reads them
+  (`seed`, `shuffle` as there): what first-fit packing sees, unlike record order (a store's come
+  from its length arrays: nothing is read)."""
+  epoch = grain.MapDataset.range(len(tokenized))
+  order = np.asarray(list((epoch.shuffle(seed=seed) if shuffle else epoch).repeat(1)), dtype=np.int64)
+  in_order = tokenized.examples.record_lengths()[order]
+  return in_order[in_order > 0]
+
+
 def count_batches(tokenized: TokenizedRecords, *, max_length: int, batching: str = "bucketed",
                   bucket_lengths: Sequence[int] | None = None, num_buckets: int = 8, batch_size: int = 8,
                   tokens_per_batch: int | None = None, pad_to_multiple_of: int = 8, batch_multiple_of: int = 1,
@@ -336,10 +346,7 @@ def count_batches(tokenized: TokenizedRecords, *, max_length: int, batching: str
     stream = _example_stream(step, seed=seed, shuffle=shuffle, num_epochs=1, worker_count=0, unchunk=False)
     return sum(1 for _ in packed_batches(stream, plan, seed=seed, stats=None, rows_to_batch=len))
   if batching == "bucketed_packed":  # first-fit per width in the epoch's order, as the batcher packs
-    epoch = grain.MapDataset.range(len(tokenized))
-    order = np.asarray(list((epoch.shuffle(seed=seed) if shuffle else epoch).repeat(1)), dtype=np.int64)
-    in_order = tokenized.examples.record_lengths()[order]  # a store's: from its length arrays
-    return sum(packed_batches_per_shape(in_order[in_order > 0], plan.bucket_lengths,
+    return sum(packed_batches_per_shape(epoch_lengths(tokenized, seed=seed, shuffle=shuffle), plan.bucket_lengths,
                                         dict(zip(plan.bucket_lengths, plan.batch_sizes)).__getitem__).values())
   if plan.bucket_lengths is None:  # dynamic: one queue
     return -(-len(lengths) // plan.batch_sizes[0])
