@@ -98,6 +98,22 @@ def choose(cfg: config_lib.TrainConfig, lengths: np.ndarray, *, num_train: int, 
                                                    "num_buckets": len(buckets)}, cost, epochs)
 
 
+ORDER_FREE = ("static", "bucketed")
+"""Modes whose batches per shape do not depend on the order the examples come in."""
+
+
+def priced_lengths(batching: str, tokenized, *, seed: int) -> np.ndarray:
+  """The training lengths a plan of `batching` is priced over: in the first epoch's order
+  (`data.epoch_lengths`) where packing or dynamic padding make the batches depend on it (auto
+  prices those too), in record order otherwise (the same counts without the epoch's permutation,
+  which costs seconds per million records)."""
+  if batching in ORDER_FREE:
+    return tokenized.lengths
+  from jaxsft.data import epoch_lengths
+
+  return epoch_lengths(tokenized, seed=seed)
+
+
 def probe_widths(max_length: int, multiple_of: int) -> list[int]:
   """Widths `auto` times before it chooses: a quarter, half and all of max_length (three distinct
   widths fit a, b and c)."""
@@ -143,7 +159,7 @@ def trained_tokens(tokenized, sample: int = 20_000) -> int:
 def predicted(choice_cost: cost_lib.StepCost, batching: dict, lengths: np.ndarray, shapes: list[tuple[int, int]], *,
               batch_size_for: Callable[[int], int], epochs: float, trained: int = 0) -> cost_lib.PlanSeconds:
   """The plan's predicted seconds under `choice_cost`: its batches per shape over the training
-  lengths (in the first epoch's order: `data.epoch_lengths`) and `trained` trained labels, `epochs` times, and a compile per shape
+  lengths (`priced_lengths`) and `trained` trained labels, `epochs` times, and a compile per shape
   in `shapes`."""
   per_shape, _ = choose_lib.batches_per_shape(batching["batching"], lengths, max_length=batching["max_length"],
                                               batch_size_for=batch_size_for, bucket_lengths=batching["bucket_lengths"],

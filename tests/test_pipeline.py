@@ -252,6 +252,11 @@ def test_epoch_lengths_are_the_epochs_order_and_price_its_batches(records, token
                                               bucket_lengths=extra.get("bucket_lengths"))[0]
   assert counted(in_epoch) == emitted
   assert counted(tokens.lengths) != emitted  # record order: other batches
+  from jaxsft import collation  # what auto and the run's prediction price: this order here, record order where it is free
+
+  assert np.array_equal(collation.priced_lengths(batching, tokens, seed=3), in_epoch)
+  assert np.array_equal(collation.priced_lengths("auto", tokens, seed=3), in_epoch)
+  assert np.array_equal(collation.priced_lengths("bucketed", tokens, seed=3), tokens.lengths)
 
 
 class EncodeCounter:

@@ -316,8 +316,12 @@ def epoch_lengths(tokenized: TokenizedRecords, *, seed: int = 0, shuffle: bool =
   """The kept examples' token counts in the order the first epoch of `make_batches` reads them
   (`seed`, `shuffle` as there): what first-fit packing sees, unlike record order (a store's come
   from its length arrays: nothing is read)."""
-  epoch = grain.MapDataset.range(len(tokenized))
-  order = np.asarray(list((epoch.shuffle(seed=seed) if shuffle else epoch).repeat(1)), dtype=np.int64)
+  n = len(tokenized)
+  if shuffle:  # epoch 0 of make_batches' shuffle; indexed, which is ~25x faster than iterating it
+    epoch = grain.MapDataset.range(n).shuffle(seed=seed)
+    order = np.fromiter((epoch[i] for i in range(n)), dtype=np.int64, count=n)
+  else:
+    order = np.arange(n)
   in_order = tokenized.examples.record_lengths()[order]
   return in_order[in_order > 0]
 

@@ -118,9 +118,8 @@ def plan_data(cfg: config_lib.TrainConfig, train_records: list[dict], val_record
   choice = None
   if d.batching in collation_lib.CHOOSES_FROM_LENGTHS and not d.bucket_lengths:
     # One set of boundaries for train and validation (the eval step reuses the train shapes); the
-    # largest is the longest example, so no bucket is compiled that no batch would use. The training
-    # lengths in the first epoch's order: packing's and dynamic padding's batches depend on it.
-    lengths = np.concatenate([data_lib.epoch_lengths(train_tokens, seed=d.seed), val_tokens.lengths])
+    # largest is the longest example, so no bucket is compiled that no batch would use.
+    lengths = np.concatenate([collation_lib.priced_lengths(d.batching, train_tokens, seed=d.seed), val_tokens.lengths])
     batching["max_length"] = min(d.max_length, data_lib.round_up(int(lengths.max()), d.pad_to_multiple_of))
     choice = collation_lib.choose(cfg, lengths, num_train=len(train_tokens.lengths), max_length=batching["max_length"],
                                   batch_size_for=collation_lib.batch_size_rule(d, batch_multiple_of),
