@@ -13,8 +13,8 @@ once per collation mode:
   bucketed pow2     T = the smallest of 32, 64, ..., max_length that fits
   bucketed K=k      `choose_buckets`' k boundaries (exact DP over the subset's lengths), k = 2, 4, 8, 16
   packed            first-fit packing into rows of max_length (segment ids, restarted positions)
-  bucketed_packed   rows of at most 4 widths, each example in the narrowest that holds it, each
-                    width packed first-fit (the pipeline's widths under the default cost)
+  bucketed_packed   packed rows of at most 4 widths (`jaxsft.data.rows.WidthPacker`; the
+                    pipeline's widths under the default cost)
   auto              what `batching: auto` chooses (`jaxsft.data.choose.choose_collation`) under the
                     cost model fitted to this study's per-shape timings
 

@@ -177,3 +177,53 @@ def test_ignore_index_is_defined_once():
             "jaxsft.labels": "'jax' not in sys.modules and 'numpy' not in sys.modules"}
   for module, check in checks.items():
     subprocess.run([sys.executable, "-c", f"import sys, {module}; assert {check}, sorted(sys.modules)"], check=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 96), min_size=1, max_size=120), st.sampled_from([[96], [32, 96], [16, 48, 96]]),
+       st.integers(1, 5))
+def test_width_packer_places_every_item_once_in_rows_that_hold_it(lengths, widths, batch_size):
+  """Every item in exactly one row, no row over its width, a mid-epoch batch always B full rows,
+  and the cost model's counts are the batches the packer emits."""
+  import collections
+
+  from jaxsft.data.choose import packed_batches_per_shape
+  from jaxsft.data.rows import WidthPacker
+
+  packer = WidthPacker(widths, [batch_size] * len(widths))
+  during = [b for i, n in enumerate(lengths) for b in packer.add(n, i)]
+  batches = during + packer.flush()
+  assert packer.empty() and all(len(rows) == batch_size for _, rows in during)
+  placed = []
+  for k, rows in batches:
+    assert 0 < len(rows) <= batch_size
+    for row in rows:
+      assert row.items and row.used == sum(lengths[i] for i in row.items) <= widths[k]
+      placed += row.items
+  assert sorted(placed) == list(range(len(lengths)))
+  assert packed_batches_per_shape(lengths, widths, lambda t: batch_size) == dict(
+      collections.Counter((batch_size, widths[k]) for k, _ in batches))
+
+
+def test_width_packer_fills_gaps_emits_the_fullest_rows_and_ends_in_fewer_batches():
+  from jaxsft.data.rows import WidthPacker
+
+  def items(rows):
+    return [row.items for row in rows]
+
+  # Best fit over every width: a short item fills a wide row's gap instead of opening a narrow row.
+  packer = WidthPacker([64, 256], [2, 2])
+  assert packer.add(200, "long") == [] and packer.add(50, "short") == []
+  assert [items(rows) for rows in packer.open] == [[], [["long", "short"]]]
+  # The pool (2 B rows): when a row must open in a full pool, the B fullest leave, the rest go on filling.
+  packer = WidthPacker([100], [2])
+  assert all(packer.add(n, n) == [] for n in (60, 90, 70, 80))  # no two fit in one row
+  ((k, rows),) = packer.add(95, 95)
+  assert k == 0 and items(rows) == [[90], [80]]
+  assert packer.add(40, 40) == [] and items(packer.open[0]) == [[60, 40], [70], [95]]  # the tightest fit
+  # The epoch's end: the wide width's last batch takes the narrow row into a fill row, one batch not two.
+  packer = WidthPacker([64, 256], [4, 4])
+  assert all(packer.add(n, n) == [] for n in (200, 210, 60))  # 60 fits in neither wide row's gap
+  assert [(k, items(rows)) for k, rows in packer.flush()] == [(1, [[210], [200], [60]])]
+  with pytest.raises(ValueError, match="wider than the widest row"):
+    WidthPacker([64], [1]).add(65, None)

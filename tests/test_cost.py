@@ -175,3 +175,20 @@ def test_batches_per_shape_counts_what_the_pipeline_emits(tokenizer):
                                           bucket_lengths=buckets)
     assert per_shape == dict(emitted), batching
     assert set(per_shape) <= set(shapes)
+
+
+def test_packing_widths_chosen_on_a_sample_of_many_lengths_are_the_full_choice():
+  """Past `sample` lengths the width search simulates a seeded sample, its steps scaled to all: on
+  lengths with the same mix throughout it picks what simulating every length picks, and the widest
+  width still holds the one longest example, which the sample does not contain."""
+  from jaxsft.data.choose import choose_packing_widths
+  from jaxsft.data.cost import DEFAULT_COST
+
+  rng = np.random.default_rng(1)
+  mix = np.concatenate([rng.integers(20, 100, 300), rng.integers(400, 1000, 60)])
+  lengths = np.tile(mix, 60)[rng.permutation(len(mix) * 60)]
+  lengths[5] = 1017
+  common = dict(batch_size_for=lambda t: 8, cost=DEFAULT_COST, max_length=1024, price_compiles=True)
+  every = choose_packing_widths(lengths, 4, sample=len(lengths), **common)
+  sampled = choose_packing_widths(lengths, 4, sample=4_000, **common)
+  assert sampled == every and every[-1] == 1024 and len(every) > 1

@@ -209,7 +209,7 @@ def test_bucketed_packing_keeps_the_unpacked_unpadded_loss_and_gradients(tokeniz
   test); more fill rows and wider rows change nothing either."""
   from jaxsft import data
   from jaxsft.data import synthetic
-  from jaxsft.data.rows import pack_rows
+  from jaxsft.data.rows import packed_batch
 
   with jax.default_matmul_precision("highest"):
     model = models.init_random(TINY, seed=0)
@@ -234,8 +234,8 @@ def test_bucketed_packing_keeps_the_unpacked_unpadded_loss_and_gradients(tokeniz
       np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-4 * float(jnp.abs(a).max()))
     # Padding invariance: the first batch's examples in twice the rows, twice as wide, another pad id.
     first = [e for e in examples if len(e["input_ids"]) <= 64][:4]
-    tight = pack_rows(first, rows=2, width=128, pad_token_id=2)
-    loose = pack_rows(first, rows=4, width=256, pad_token_id=0)
+    tight = packed_batch([first[:2], first[2:]], batch_size=2, width=128, pad_token_id=2)
+    loose = packed_batch([first[:1], first[1:3], first[3:]], batch_size=4, width=256, pad_token_id=0)
     got = [accumulate(fns.zeros(params), params, frozen, batch, np.int32(0)) for batch in (tight, loose)]
     assert int(got[0]["n_valid"]) == int(got[1]["n_valid"]) > 0
     np.testing.assert_allclose(float(got[0]["nll"]), float(got[1]["nll"]), rtol=1e-6)

@@ -1,7 +1,8 @@
 """Length-grouped batching as a Grain transformation: fixed-shape padded batches per bucket.
 
-With `BatchPlan.packed`, each bucket is a width whose batches are B rows packed first-fit
-(`rows.pack_rows`): a queue's batch is complete when the next example fits in none of its rows.
+With `BatchPlan.packed`, each bucket is a width whose batches are B rows of packed examples
+(`rows.WidthPacker` decides the rows and when a width's batch is complete, `rows.packed_batch`
+builds it).
 
 `BucketBatchIterDataset` reads the tokenized stream (`pipeline.make_batches`), puts each example
 in the queue of its (epoch, bucket) and emits a batch when a queue reaches its bucket's batch
@@ -32,7 +33,7 @@ import numpy as np
 
 from jaxsft.data.collate import bucket_index, collate, round_up
 from jaxsft.data.pipeline_stats import PipelineStats
-from jaxsft.data.rows import FirstFitRows, pack_rows
+from jaxsft.data.rows import WidthPacker, packed_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,15 +49,16 @@ class BatchPlan:
   epoch_size: int = 0  # records per epoch: an epoch is complete once this many elements arrived
   shard_index: int = 0
   shard_count: int = 1
-  packed: bool = False  # bucketed packing: each bucket's batch is B rows packed first-fit
+  packed: bool = False  # bucketed packing: each bucket is a width whose batch is B packed rows (rows.WidthPacker)
 
   def queue_of(self, length: int) -> int:
     return 0 if self.bucket_lengths is None else bucket_index(length, self.bucket_lengths)
 
-  def collate(self, queue: int, examples: list[dict]) -> dict:
+  def collate(self, queue: int, examples: list) -> dict:
+    """A batch of queue `queue`'s examples (packed: its rows, `rows.Row`s of examples)."""
     if self.packed:
-      return pack_rows(examples, rows=self.batch_sizes[queue], width=self.bucket_lengths[queue],
-                       pad_token_id=self.pad_token_id)
+      return packed_batch([row.items for row in examples], batch_size=self.batch_sizes[queue],
+                          width=self.bucket_lengths[queue], pad_token_id=self.pad_token_id)
     if self.bucket_lengths is None:
       longest = max(len(e["input_ids"]) for e in examples)
       width = min(round_up(longest, self.pad_to_multiple_of), self.max_length)
@@ -75,45 +77,39 @@ class BatchPlan:
 
 class _EpochBucketQueues:
   """Per-(epoch, bucket) queues: `add` returns the batches that became full, `flush(epoch)` the
-  leftovers of an epoch. Items are `(epoch, queue, examples)`."""
+  leftovers of an epoch. Items are `(epoch, queue, examples)`; packed, one `rows.WidthPacker` per
+  epoch holds the queues and an item's examples are its rows."""
 
   def __init__(self, plan: BatchPlan):
     self.plan = plan
     self.queues: dict[int, list[list[dict]]] = {}
-    self.rows: dict[int, list[FirstFitRows]] = {}  # packed: the rows each queue's examples fill
+    self.packers: dict[int, WidthPacker] = {}
 
-  def add(self, example: dict) -> list[tuple[int, int, list[dict]]]:
-    epoch, q = int(example["epoch"]), self.plan.queue_of(len(example["input_ids"]))
-    queues = self.queues.setdefault(epoch, [[] for _ in self.plan.batch_sizes])
+  def add(self, example: dict) -> list[tuple[int, int, list]]:
+    epoch = int(example["epoch"])
     if self.plan.packed:
-      return self._add_packed(epoch, q, queues, example)
+      packer = self.packers.setdefault(epoch, WidthPacker(self.plan.bucket_lengths, self.plan.batch_sizes))
+      return [(epoch, q, rows) for q, rows in packer.add(len(example["input_ids"]), example)]
+    q = self.plan.queue_of(len(example["input_ids"]))
+    queues = self.queues.setdefault(epoch, [[] for _ in self.plan.batch_sizes])
     queues[q].append(example)
     if len(queues[q]) == self.plan.batch_sizes[q]:
       full, queues[q] = queues[q], []
       return [(epoch, q, full)]
     return []
 
-  def _add_packed(self, epoch: int, q: int, queues: list[list[dict]], example: dict):
-    rows = self.rows.setdefault(epoch, [FirstFitRows(b, t) for b, t in zip(self.plan.batch_sizes,
-                                                                             self.plan.bucket_lengths)])
-    if rows[q].place(len(example["input_ids"])) is not None:
-      queues[q].append(example)
-      return []
-    full, queues[q] = queues[q], [example]
-    rows[q] = FirstFitRows(self.plan.batch_sizes[q], self.plan.bucket_lengths[q])
-    rows[q].place(len(example["input_ids"]))
-    return [(epoch, q, full)]
-
-  def flush(self, epoch: int) -> list[tuple[int, int, list[dict]]]:
-    self.rows.pop(epoch, None)
+  def flush(self, epoch: int) -> list[tuple[int, int, list]]:
+    if epoch in self.packers:
+      return [(epoch, q, rows) for q, rows in self.packers.pop(epoch).flush()]
     queues = self.queues.pop(epoch, [])
     return [(epoch, q, items) for q, items in enumerate(queues) if items]
 
-  def flush_all(self) -> list[tuple[int, int, list[dict]]]:
-    return [item for epoch in sorted(self.queues) for item in self.flush(epoch)]
+  def flush_all(self) -> list[tuple[int, int, list]]:
+    return [item for epoch in sorted(set(self.queues) | set(self.packers)) for item in self.flush(epoch)]
 
   def empty(self) -> bool:
-    return not any(any(queues) for queues in self.queues.values())
+    return (not any(any(queues) for queues in self.queues.values())
+            and all(packer.empty() for packer in self.packers.values()))
 
 
 class BucketBatchDatasetIterator(grain.DatasetIterator):

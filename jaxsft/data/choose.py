@@ -8,8 +8,7 @@ counts in the order the lengths are given, which for a shuffled epoch is its ord
     dynamic           batches of B consecutive examples, each as wide as its longest (rounded up)
     bucketed          ceil(n_k / B_k) batches of (B_k, T_k) per bucket
     packed            first-fit rows of max_length, B rows a batch
-    bucketed_packed   per width W_k, first-fit rows of W_k holding the examples whose narrowest
-                      fitting width is W_k, B_k rows a batch
+    bucketed_packed   rows of widths W_k, B_k rows a batch, as `rows.WidthPacker` fills them
 
 `choose_collation` predicts every candidate (each mode; bucketed with the DP's boundaries for
 every K up to `max_buckets` and with compiles priced, bucketed packing with 1 to 4 widths) and
@@ -26,7 +25,7 @@ import numpy as np
 
 from jaxsft.data.collate import bucket_index, choose_buckets, round_up
 from jaxsft.data.cost import PlanSeconds, StepCost, plan_seconds
-from jaxsft.data.rows import FirstFitRows
+from jaxsft.data.rows import WidthPacker
 
 MAX_PACKING_WIDTHS = 4
 
@@ -34,31 +33,30 @@ MAX_PACKING_WIDTHS = 4
 def packed_batches_per_shape(lengths: Sequence[int], widths: Sequence[int],
                              batch_size_for: Callable[[int], int]) -> dict[tuple[int, int], int]:
   """Batches per (B_k, W_k) that bucketed packing emits for examples of `lengths`, in that order:
-  each example goes to the narrowest width >= its length; a width's batch is B_k rows filled
-  first-fit, emitted when an example fits in none of them (then the leftovers, at the end)."""
+  the batches `rows.WidthPacker` completes, then its flush at the epoch's end."""
   widths = sorted(int(w) for w in widths)
   sizes = [batch_size_for(w) for w in widths]
-  rows = [FirstFitRows(b, w) for b, w in zip(sizes, widths)]
-  counts, used = [0] * len(widths), [False] * len(widths)
-  for length, k in zip(np.asarray(lengths).tolist(), np.atleast_1d(bucket_index(np.asarray(lengths), widths)).tolist()):
-    if rows[k].place(length) is None:
+  packer = WidthPacker(widths, sizes)
+  counts = [0] * len(widths)
+  for length in np.asarray(lengths).tolist():
+    for k, _ in packer.add(length, None):
       counts[k] += 1
-      rows[k] = FirstFitRows(sizes[k], widths[k])
-      rows[k].place(length)
-    used[k] = True
-  return {(b, w): n + u for b, w, n, u in zip(sizes, widths, counts, used) if n + u}
+  for k, _ in packer.flush():
+    counts[k] += 1
+  return {(b, w): n for b, w, n in zip(sizes, widths, counts) if n}
 
 
 def choose_packing_widths(lengths: Sequence[int], num_widths: int, *, batch_size_for: Callable[[int], int],
                           cost: StepCost, multiple_of: int = 8, max_length: int | None = None,
-                          epochs: float = 1.0, price_compiles: bool = False) -> list[int]:
+                          epochs: float = 1.0, price_compiles: bool = False, sample: int = 50_000) -> list[int]:
   """The widths (at most `num_widths`, the widest = the longest example) whose bucketed packing of
   `lengths` the cost model predicts cheapest.
 
   Candidates for the narrower widths: the lengths' quartiles and 90th percentile, and half, a
   quarter and an eighth of the widest, rounded up to `multiple_of`; every subset of at most
   num_widths - 1 of them is simulated (`packed_batches_per_shape`) and priced (compiles too
-  with `price_compiles`); ties keep fewer widths.
+  with `price_compiles`); ties keep fewer widths. Past `sample` lengths the subsets are simulated
+  on a seeded `sample` of them, in their order, and their steps scaled to all.
   """
   lengths = np.asarray(lengths, dtype=np.int64)
   if max_length is not None:
@@ -69,6 +67,9 @@ def choose_packing_widths(lengths: Sequence[int], num_widths: int, *, batch_size
   grid = {round_up(int(np.percentile(lengths, q)), multiple_of) for q in (25, 50, 75, 90)}
   grid |= {round_up(widest // f, multiple_of) for f in (2, 4, 8)}
   grid = sorted(w for w in grid if 0 < w < widest)
+  if len(lengths) > sample:  # the same per-shape shares at a fraction of the simulation
+    epochs *= len(lengths) / sample
+    lengths = lengths[np.sort(np.random.default_rng(0).choice(len(lengths), sample, replace=False))]
   best, best_seconds = [widest], None
   for k in range(min(num_widths, len(grid) + 1)):
     for narrower in itertools.combinations(grid, k):

@@ -1,5 +1,5 @@
 """Packed modes: grain's first-fit packing of examples into rows of max_length, and bucketed
-packing (`rows.pack_rows`: rows of a few widths, each width packed first-fit by the bucket batcher).
+packing (rows of a few widths, filled by `rows.WidthPacker` in the bucket batcher).
 
 Each row holds several examples back to back; a batch is B such rows with `segment_ids`
 (1, 2, ... per example, 0 on padding) and `positions` (restarting at 0 in every segment), so the
@@ -7,10 +7,11 @@ model attends within a segment only. The first label of every segment and every 
 -100: nothing is predicted across a segment boundary. The filter that drops (and counts) the
 examples truncation emptied runs in the main process, before the packer.
 
-Bucketed packing routes each example to the narrowest width that holds it (long examples in wide
-rows, short ones packed into narrow rows); `bucketing.BucketBatchIterDataset` keeps, per (epoch,
-width), B rows filled first-fit (`rows.FirstFitRows`) and emits them as a batch when an example fits in
-none, so every width is one (B, T) shape, and no batch mixes epochs.
+Bucketed packing puts each example best-fit into an open row of a width that holds it, or opens a
+row in the narrowest such width (long examples in wide rows, short ones in their gaps or in narrow
+rows); `bucketing.BucketBatchIterDataset` keeps one `rows.WidthPacker` per epoch, which emits a
+width's B fullest rows as a batch when it needs room and packs the epoch's leftover rows again at
+its end, so every width is one (B, T) shape, and no batch mixes epochs.
 
 Unlike the bucket batcher, grain's packer may put the last examples of one epoch and the first of
 the next into one packed batch; a batch's `epoch` is the latest epoch in it.

@@ -234,8 +234,9 @@ def make_batches(records: Sequence[dict], tokenizer, *, max_length: int, batchin
     max_length: examples keep their first max_length tokens; ones left with no trained token are
       dropped and counted in `stats.dropped`.
     batching: "static" (T = max_length), "dynamic" (T = batch maximum rounded up to
-      pad_to_multiple_of), "bucketed" (T = the example's bucket) or "packed" (first-fit packing into
-      rows of max_length with segment ids and per-segment positions).
+      pad_to_multiple_of), "bucketed" (T = the example's bucket), "packed" (first-fit packing into
+      rows of max_length with segment ids and per-segment positions) or "bucketed_packed" (packed
+      rows of a few widths, `rows.WidthPacker`).
     bucket_lengths: bucket boundaries; None chooses `num_buckets` of them with `choose_buckets` over
       the token lengths (of `tokenized`, else of every record tokenized once here).
     batch_size / tokens_per_batch: rows per batch, or a token budget B_k = tokens_per_batch // T_k.
@@ -314,7 +315,7 @@ def batch_shapes(records: Sequence[dict] | None = None, tokenizer=None, *, lengt
 
 def epoch_lengths(tokenized: TokenizedRecords, *, seed: int = 0, shuffle: bool = True) -> np.ndarray:
   """The kept examples' token counts in the order the first epoch of `make_batches` reads them
-  (`seed`, `shuffle` as there): what first-fit packing sees, unlike record order (a store's come
+  (`seed`, `shuffle` as there): what packing sees, unlike record order (a store's come
   from its length arrays: nothing is read)."""
   n = len(tokenized)
   if shuffle:  # epoch 0 of make_batches' shuffle; indexed, which is ~25x faster than iterating it
@@ -349,7 +350,7 @@ def count_batches(tokenized: TokenizedRecords, *, max_length: int, batching: str
     step = _TokenizeStep(None, None, max_length=max_length, train_on=train_on, tokenized=tokenized)
     stream = _example_stream(step, seed=seed, shuffle=shuffle, num_epochs=1, worker_count=0, unchunk=False)
     return sum(1 for _ in packed_batches(stream, plan, seed=seed, stats=None, rows_to_batch=len))
-  if batching == "bucketed_packed":  # first-fit per width in the epoch's order, as the batcher packs
+  if batching == "bucketed_packed":  # in the epoch's order, as the batcher packs
     return sum(packed_batches_per_shape(epoch_lengths(tokenized, seed=seed, shuffle=shuffle), plan.bucket_lengths,
                                         dict(zip(plan.bucket_lengths, plan.batch_sizes)).__getitem__).values())
   if plan.bucket_lengths is None:  # dynamic: one queue
