@@ -410,7 +410,11 @@ def findings(result: dict) -> dict:
                  "lowest_waste_bucketed": min(buckets, key=buckets.get),
                  "fastest_end_to_end": min(e2e, key=e2e.get),
                  "k8_over_static": k8 / e2e["static"], "k8_over_dynamic": k8 / e2e["dynamic x8"],
-                 "k8_beats_static_and_dynamic": k8 < e2e["static"] and k8 < e2e["dynamic x8"]}
+                 "k8_beats_static_and_dynamic": k8 < e2e["static"] and k8 < e2e["dynamic x8"],
+                 "bucketed_packing_widths": len(modes["bucketed_packed"]["buckets"]),
+                 "bucketed_packing_waste_over_packing_points": (modes["bucketed_packed"]["waste_pct"]
+                                                                - modes["packed"]["waste_pct"]),
+                 "bucketed_packing_over_packing_end_to_end": e2e["bucketed_packed"] / e2e["packed"]}
   return out
 
 
@@ -470,6 +474,13 @@ def markdown(result: dict, command: str) -> str:
                  f"{f['fastest_end_to_end']} | "
                  f"{f['k8_over_static']:.2f} | {f['k8_over_dynamic']:.2f} | "
                  f"{'yes' if f['k8_beats_static_and_dynamic'] else 'NO'} |")
+  lines += ["", "## Bucketed packing against packing into one width", "",
+            "*widths*: the widths bucketed packing chose; *waste*: its waste minus packing's, in points; *end to end*: "
+            "its composed end to end over packing's.", "",
+            "| data | widths | waste, points over packing | end to end / packing |", "| --- | ---: | ---: | ---: |"]
+  for name, f in result["findings"].items():
+    lines.append(f"| {name} | {f['bucketed_packing_widths']} | {f['bucketed_packing_waste_over_packing_points']:+.1f} | "
+                 f"{f['bucketed_packing_over_packing_end_to_end']:.2f} |")
   reused = (f"; reused from an earlier run of this command that took {result['calibration_from']['seconds']:.0f} s "
             f"in all, load at its start {result['calibration_from']['load_average_at_start']}"
             if "calibration_from" in result else "")

@@ -56,6 +56,13 @@ def test_collation_study_counts_composes_and_validates(tmp_path, no_compile_cach
   text = collation.markdown(result, "test")
   assert "| bucketed K=2 |" in text and "| oasst_top_paths.jsonl | static |" in text and "Composed against measured" in text
   assert "| auto |" in text and "auto against the grid" in text and "predicted / measured" in text
+  finding = result["findings"][name]  # bucketed packing against packing, from the two modes' rows
+  assert finding["bucketed_packing_widths"] == len(modes["bucketed_packed"]["buckets"])
+  assert finding["bucketed_packing_waste_over_packing_points"] == pytest.approx(
+      modes["bucketed_packed"]["waste_pct"] - modes["packed"]["waste_pct"])
+  assert finding["bucketed_packing_over_packing_end_to_end"] == pytest.approx(
+      modes["bucketed_packed"]["composed"]["end_to_end_s"] / modes["packed"]["composed"]["end_to_end_s"])
+  assert f"| {name} | {finding['bucketed_packing_widths']} | " in text.split("Bucketed packing against packing")[1]
   collation.plot(result, tmp_path / "pareto.png")
   assert (tmp_path / "pareto.png").stat().st_size > 1000
   collation.plot_k(result, tmp_path / "k.png")
