@@ -93,7 +93,11 @@ class WidthPacker:
     for k in reversed(range(len(self.widths))):
       for i, unit in enumerate(units):  # the rows that need W_k: into a row of width >= W_k
         if not placed[i] and self.narrowest(unit.used) == k:
-          self._place(rows, unit, k)
+          target = self._best_fit(rows, unit.used, k)
+          if target is None:
+            rows[k].append(Row(unit.used, list(unit.items)))
+          else:
+            target.add(unit.used, unit.items)
           placed[i] = True
       free = -len(rows[k]) % self.batch_sizes[k]  # fill rows of W_k's last batch: narrower rows may take them
       for i, unit in enumerate(units):
@@ -121,13 +125,6 @@ class WidthPacker:
         if room >= 0 and (best_room is None or room < best_room):
           best, best_room = row, room
     return best
-
-  def _place(self, rows: list[list[Row]], unit: Row, k: int) -> None:
-    target = self._best_fit(rows, unit.used, k)
-    if target is None:
-      rows[k].append(Row(unit.used, list(unit.items)))
-    else:
-      target.add(unit.used, unit.items)
 
   def empty(self) -> bool:
     return not any(self.open)
