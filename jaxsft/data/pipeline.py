@@ -191,7 +191,7 @@ class _BatchingOptions:
     if self.batching in ("static", "packed"):
       return BatchPlan((self.max_length,), (self.batch_size_for(self.max_length),), **common)
     if self.bucket_lengths is not None:
-      buckets = sorted(int(b) for b in self.bucket_lengths)
+      buckets = sorted({int(b) for b in self.bucket_lengths})  # a repeated width is one bucket
     elif self.batching == "bucketed_packed":
       buckets = choose_packing_widths(np.minimum(lengths, self.max_length), self.num_buckets,
                                       batch_size_for=self.batch_size_for, cost=DEFAULT_COST,
