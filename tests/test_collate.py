@@ -214,13 +214,13 @@ def test_width_packer_fills_gaps_emits_the_fullest_rows_and_ends_in_fewer_batche
   # Best fit over every width: a short item fills a wide row's gap instead of opening a narrow row.
   packer = WidthPacker([64, 256], [2, 2])
   assert packer.add(200, "long") == [] and packer.add(50, "short") == []
-  assert [items(rows) for rows in packer.open] == [[], [["long", "short"]]]
+  assert [items(packer.open_rows(k)) for k in (0, 1)] == [[], [["long", "short"]]]
   # The pool (2 B rows): when a row must open in a full pool, the B fullest leave, the rest go on filling.
   packer = WidthPacker([100], [2])
   assert all(packer.add(n, n) == [] for n in (60, 90, 70, 80))  # no two fit in one row
   ((k, rows),) = packer.add(95, 95)
   assert k == 0 and items(rows) == [[90], [80]]
-  assert packer.add(40, 40) == [] and items(packer.open[0]) == [[60, 40], [70], [95]]  # the tightest fit
+  assert packer.add(40, 40) == [] and items(packer.open_rows(0)) == [[60, 40], [70], [95]]  # the tightest fit
   # The epoch's end: the wide width's last batch takes the narrow row into a fill row, one batch not two.
   packer = WidthPacker([64, 256], [4, 4])
   assert all(packer.add(n, n) == [] for n in (200, 210, 60))  # 60 fits in neither wide row's gap

@@ -51,11 +51,15 @@ class WidthPacker:
     if self.widths != sorted(set(self.widths)) or len(self.widths) != len(self.batch_sizes):
       raise ValueError(f"widths must ascend without repeats, one batch size each: {widths}, {batch_sizes}")
     self.pool = pool
-    self.open: list[list[Row]] = [[] for _ in self.widths]
     # Every open row as (room left, k, serial, row), ascending: the best fit for L is the first entry
     # with room >= L. A row narrower than W_k has less room than L, so no width test is needed.
     self._by_room: list[tuple[int, int, int, Row]] = []
+    self._open_count = [0] * len(self.widths)  # open rows per width (a count of _by_room's, kept for speed)
     self._serial = 0
+
+  def open_rows(self, k: int) -> list[Row]:
+    """Width k's open rows, in the order they were opened."""
+    return [row for _, j, _, row in sorted(self._by_room, key=lambda entry: entry[2]) if j == k]
 
   def narrowest(self, length: int) -> int:
     for k, width in enumerate(self.widths):
@@ -73,21 +77,21 @@ class WidthPacker:
       return []
     k = self.narrowest(length)
     emitted = []
-    if len(self.open[k]) >= self.pool * self.batch_sizes[k]:
-      order = sorted(range(len(self.open[k])), key=lambda i: -self.open[k][i].used)
-      leaving = {id(self.open[k][i]) for i in order[:self.batch_sizes[k]]}
-      emitted.append((k, [self.open[k][i] for i in order[:self.batch_sizes[k]]]))
-      self.open[k] = [row for row in self.open[k] if id(row) not in leaving]
+    if self._open_count[k] >= self.pool * self.batch_sizes[k]:
+      fullest = sorted(self.open_rows(k), key=lambda r: -r.used)[:self.batch_sizes[k]]
+      leaving = {id(r) for r in fullest}
+      emitted.append((k, fullest))
       self._by_room = [entry for entry in self._by_room if id(entry[3]) not in leaving]
+      self._open_count[k] -= len(fullest)
+    self._open_count[k] += 1
     row = Row(length, [item])
-    self.open[k].append(row)
     bisect.insort(self._by_room, (self.widths[k] - length, k, self._serial, row))
     self._serial += 1
     return emitted
 
   def flush(self) -> list[tuple[int, list[Row]]]:
-    units = sorted((row for rows in reversed(self.open) for row in rows), key=lambda r: -r.used)
-    self.open, self._by_room = [[] for _ in self.widths], []
+    units = sorted((row for k in reversed(range(len(self.widths))) for row in self.open_rows(k)), key=lambda r: -r.used)
+    self._by_room, self._open_count = [], [0] * len(self.widths)
     rows: list[list[Row]] = [[] for _ in self.widths]
     placed = [False] * len(units)
     for k in reversed(range(len(self.widths))):
@@ -127,7 +131,7 @@ class WidthPacker:
     return best
 
   def empty(self) -> bool:
-    return not any(self.open)
+    return not self._by_room
 
 
 def packed_batch(rows: Sequence[Sequence[dict]], *, batch_size: int, width: int, pad_token_id: int) -> dict:
