@@ -87,6 +87,9 @@ class DataPlan:
   batches_per_epoch: int
   stats: data_lib.PipelineStats
   shard_by_process: bool
+  train_lengths: np.ndarray
+  """The training lengths plans are priced over (`collation.priced_lengths` of the configured batching:
+  the epoch's order wherever it matters, which is also right for whatever `auto` chooses)."""
   collation: collation_lib.Choice | None = None
 
   def train_batches(self, tokenizer, *, seed: int, num_epochs: int | None, worker_count: int):
@@ -116,10 +119,11 @@ def plan_data(cfg: config_lib.TrainConfig, train_records: list[dict], val_record
                   num_buckets=d.num_buckets, batch_size=d.batch_size, tokens_per_batch=d.tokens_per_batch,
                   pad_to_multiple_of=d.pad_to_multiple_of, batch_multiple_of=batch_multiple_of, train_on=d.train_on)
   choice = None
+  train_lengths = collation_lib.priced_lengths(d.batching, train_tokens, seed=d.seed)
   if d.batching in collation_lib.CHOOSES_FROM_LENGTHS and not d.bucket_lengths:
     # One set of boundaries for train and validation (the eval step reuses the train shapes); the
     # largest is the longest example, so no bucket is compiled that no batch would use.
-    lengths = np.concatenate([collation_lib.priced_lengths(d.batching, train_tokens, seed=d.seed), val_tokens.lengths])
+    lengths = np.concatenate([train_lengths, val_tokens.lengths])
     batching["max_length"] = min(d.max_length, data_lib.round_up(int(lengths.max()), d.pad_to_multiple_of))
     choice = collation_lib.choose(cfg, lengths, num_train=len(train_tokens.lengths), max_length=batching["max_length"],
                                   batch_size_for=collation_lib.batch_size_rule(d, batch_multiple_of),
@@ -133,4 +137,4 @@ def plan_data(cfg: config_lib.TrainConfig, train_records: list[dict], val_record
     shapes |= set(data_lib.batch_shapes(val_records, tokenizer, tokenized=val_tokens, shard_by_process=shard, **batching))
   batches_per_epoch = data_lib.count_batches(train_tokens, seed=d.seed, shuffle=True, **batching)
   return DataPlan(train_records, val_records, train_tokens, val_tokens, batching, sorted(shapes), batches_per_epoch,
-                  data_lib.PipelineStats(), shard, choice)
+                  data_lib.PipelineStats(), shard, train_lengths, choice)

@@ -250,8 +250,7 @@ def account_collation(run: Run, keys: tuple[str, ...]) -> None:
     cost = collation_lib.fit_from_steps(run.steps, data.shapes, keys, fused=cfg.optim.grad_accum == 1)
   epochs = data_lib.cost.epochs_planned(data.batches_per_epoch, epochs=cfg.epochs, max_steps=cfg.max_steps,
                                         grad_accum=cfg.optim.grad_accum)
-  lengths = collation_lib.priced_lengths(data.batching["batching"], data.train_tokens, seed=cfg.data.seed)
-  predicted = collation_lib.predicted(cost, data.batching, lengths, data.shapes, batch_size_for=size_for, epochs=epochs,
+  predicted = collation_lib.predicted(cost, data.batching, data.train_lengths, data.shapes, batch_size_for=size_for, epochs=epochs,
                                       trained=collation_lib.trained_tokens(data.train_tokens))
   choice = data.collation
   run.collation = {"choice": choice.name if choice else data.batching["batching"],
