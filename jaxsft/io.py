@@ -74,7 +74,8 @@ def replace_directory(target: str | os.PathLike, fill: Callable[[pathlib.Path], 
   a hidden temp beside it (removed by the next writer, `remove_leftovers`). Where the exchange is
   unavailable (another OS or file system) it is two renames, old out of the way then new in; a
   crash between them leaves `target` missing and the old folder as `.<name>.*.old`, which
-  `remove_leftovers` puts back. A failed `fill` leaves `target` as it was.
+  `remove_leftovers` puts back. A failed `fill` leaves `target` as it was. Writers of one target
+  may race (two processes caching the same model): each swap is whole, and the last one stays.
   """
   target = pathlib.Path(target)
   target.parent.mkdir(parents=True, exist_ok=True)
@@ -84,9 +85,7 @@ def replace_directory(target: str | os.PathLike, fill: Callable[[pathlib.Path], 
   try:
     fill(tmp)
     _fsync_tree(tmp)
-    if not target.exists():
-      os.replace(tmp, target)
-    elif not _exchange(tmp, target):  # now `tmp` holds the old folder
+    if not _rename_unless_taken(tmp, target) and not _exchange(tmp, target):  # now `tmp` holds the old folder
       os.replace(target, old)
       os.replace(tmp, target)
     _fsync_dir(target.parent)
@@ -94,6 +93,18 @@ def replace_directory(target: str | os.PathLike, fill: Callable[[pathlib.Path], 
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)
   return target
+
+
+def _rename_unless_taken(tmp: pathlib.Path, target: pathlib.Path) -> bool:
+  """Renames the folder `tmp` to `target` where nothing but an empty folder has that name; False
+  where something does (another writer of the same target may have published it since any check)."""
+  try:
+    os.rename(tmp, target)
+  except OSError as e:
+    if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+      return False
+    raise
+  return True
 
 
 def remove_directory(target: str | os.PathLike) -> None:

@@ -503,6 +503,36 @@ def test_killed_adapter_swap_leaves_a_whole_adapter(tmp_path, exchange):
   assert seen == {"old", "new"}
 
 
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "two-renames"])
+def test_a_folder_another_writer_publishes_first_is_replaced_whole(tmp_path, monkeypatch, exchange):
+  """Two processes caching the same model's tokenizer: both find no folder and fill one; the other
+  publishes its folder just before this one renames its own into place. A plain rename onto a
+  folder with files fails, so this writer swaps its folder in as over any old one."""
+  from jaxsft import io as jaxsft_io
+
+  if not exchange:
+    monkeypatch.setattr(jaxsft_io, "_exchange", lambda a, b: False)
+  target = tmp_path / "tokenizer"
+  other = tmp_path / "other-writers-folder"
+  other.mkdir()
+  (other / "tokenizer.json").write_text("first")
+
+  def other_writer_first(rename):
+    def call(src, dst):
+      if pathlib.Path(dst) == target and other.exists():
+        real_rename(other, target)
+      return rename(src, dst)
+    return call
+
+  real_rename = os.rename
+  monkeypatch.setattr(os, "rename", other_writer_first(os.rename))
+  monkeypatch.setattr(os, "replace", other_writer_first(os.replace))
+  jaxsft_io.replace_directory(target, lambda tmp: [(tmp / n).write_text("second") for n in ("tokenizer.json", "vocab.json")])
+  assert not other.exists()  # it was published, then swapped out
+  assert {p.name: p.read_text() for p in target.iterdir()} == {"tokenizer.json": "second", "vocab.json": "second"}
+  assert hidden(tmp_path) == []
+
+
 @pytest.mark.slow
 def test_killed_checkpoint_save_leaves_the_old_or_the_new_checkpoint_whole(tmp_path):
   import jax.numpy as jnp
