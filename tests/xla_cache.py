@@ -1,8 +1,16 @@
-"""The session's persistent XLA compilation cache, for this process and its subprocesses: runs with
-the same model and shapes (resume tests, repeated CLI runs) compile once. Results are unchanged.
+"""XLA compiles in the test session: a persistent compilation cache for this process and its
+subprocesses, so runs with the same model and shapes (resume tests, repeated CLI runs) compile once;
+and LLVM's O1 for XLA's CPU kernels instead of its default O2.
 
 A cache hit emits no compile event, so a test that counts compiles opts out: the `no_compile_cache`
-fixture (conftest.py) in this process, `NO_COMPILE_CACHE_ENV` in a subprocess's environment."""
+fixture (conftest.py) in this process, `NO_COMPILE_CACHE_ENV` in a subprocess's environment.
+
+Most tests compile a tiny model's step and run it a few times, so LLVM's heavier optimization of
+the kernels costs them more than it saves. O1 keeps the arithmetic: XLA's own HLO passes (fusion,
+layout, the matmul library calls) do not depend on the level, and a tiny model's loss and LoRA
+gradients come out bit for bit as at O2. O0 would compile faster still but gives different last
+bits (no multiply-add contraction), and slows the real SmolLM2's runs more than it saves on
+the tiny ones (README, Tests). A level in the user's XLA_FLAGS is kept."""
 
 import atexit
 import os
@@ -10,6 +18,7 @@ import shutil
 import tempfile
 
 NO_COMPILE_CACHE_ENV = {"JAX_ENABLE_COMPILATION_CACHE": "false"}
+LLVM_LEVEL_FLAG = "--xla_backend_optimization_level=1"
 
 
 def session_folder(env_var: str, prefix: str) -> None:
@@ -24,6 +33,10 @@ def session_folder(env_var: str, prefix: str) -> None:
 def configure() -> None:
   """Before JAX is imported: a fresh cache folder for the session (unless one is given), and
   every executable cached, not only those that took a second to compile (whether a tiny model's
-  step is shared between runs must not depend on how fast the machine compiles it)."""
+  step is shared between runs must not depend on how fast the machine compiles it), and LLVM's
+  level, inherited by subprocesses through XLA_FLAGS."""
   session_folder("JAX_COMPILATION_CACHE_DIR", "jaxsft-xla-cache-")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "--xla_backend_optimization_level" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} {LLVM_LEVEL_FLAG}".strip()
