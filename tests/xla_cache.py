@@ -9,7 +9,7 @@ Most tests compile a tiny model's step and run it a few times, so LLVM's heavier
 the kernels costs them more than it saves. O1 keeps the arithmetic: XLA's own HLO passes (fusion,
 layout, the matmul library calls) do not depend on the level, and a tiny model's loss and LoRA
 gradients come out bit for bit as at O2. O0 would compile faster still but gives different last
-bits (no multiply-add contraction), and slows the real SmolLM2's runs more than it saves on
+bits, and slows the real SmolLM2's runs more than it saves on
 the tiny ones (README, Tests). A level in the user's XLA_FLAGS is kept."""
 
 import atexit
