@@ -6,11 +6,10 @@ A cache hit emits no compile event, so a test that counts compiles opts out: the
 fixture (conftest.py) in this process, `NO_COMPILE_CACHE_ENV` in a subprocess's environment.
 
 Most tests compile a tiny model's step and run it a few times, so LLVM's heavier optimization of
-the kernels costs them more than it saves. O1 keeps the arithmetic: XLA's own HLO passes (fusion,
-layout, the matmul library calls) do not depend on the level, and a tiny model's loss and LoRA
-gradients come out bit for bit as at O2. O0 would compile faster still but gives different last
-bits, and slows the real SmolLM2's runs more than it saves on
-the tiny ones (README, Tests). A level in the user's XLA_FLAGS is kept."""
+the kernels costs them more than it saves. O1 keeps the arithmetic where it was checked: a tiny
+model's loss and LoRA gradients come out bit for bit as at O2 (float32 and bfloat16). O0 would
+compile faster still but gives different last bits, and slows the real SmolLM2's runs more than
+it saves on the tiny ones (README, Tests). A level in the user's XLA_FLAGS is kept."""
 
 import atexit
 import os
