@@ -192,3 +192,30 @@ def test_packing_widths_chosen_on_a_sample_of_many_lengths_are_the_full_choice()
   every = choose_packing_widths(lengths, 4, sample=len(lengths), **common)
   sampled = choose_packing_widths(lengths, 4, sample=4_000, **common)
   assert sampled == every and every[-1] == 1024 and len(every) > 1
+
+
+def test_packing_widths_pad_at_most_two_points_more_than_packing():
+  """Short examples of 60-160 tokens and a few of 400-470: the cheapest widths under the default cost
+  make rows that hold one and a half short examples and pad over two points more than packing into
+  rows of max_length; the chosen widths keep within the two points, cost a little more than the
+  cheapest and less than packing; and the widths that already keep within the bound are unchanged."""
+  from jaxsft.data.choose import MAX_EXTRA_WASTE_POINTS, choose_packing_widths, packed_batches_per_shape, padding_waste
+  from jaxsft.data.cost import DEFAULT_COST
+
+  rng = np.random.default_rng(1)
+  lengths = np.concatenate([rng.integers(60, 160, 248), rng.integers(400, 470, 8)])[rng.permutation(256)]
+  common = dict(batch_size_for=lambda t: 8, cost=DEFAULT_COST, max_length=1024)
+
+  def waste_and_seconds(widths):
+    per_shape = packed_batches_per_shape(lengths, widths, common["batch_size_for"])
+    return padding_waste(lengths, per_shape), plan_seconds(DEFAULT_COST, per_shape, []).total
+
+  packing_waste, packing_seconds = waste_and_seconds([1024])
+  cheapest = choose_packing_widths(lengths, 4, max_extra_waste=float("inf"), **common)
+  chosen = choose_packing_widths(lengths, 4, **common)
+  assert waste_and_seconds(cheapest)[0] > packing_waste + MAX_EXTRA_WASTE_POINTS  # the bound matters here
+  waste, seconds = waste_and_seconds(chosen)
+  assert len(chosen) >= 2 and waste <= packing_waste + MAX_EXTRA_WASTE_POINTS, (chosen, waste, packing_waste)
+  assert waste_and_seconds(cheapest)[1] <= seconds < packing_seconds
+  assert choose_packing_widths(lengths, 4, max_extra_waste=waste_and_seconds(cheapest)[0] - packing_waste + 1e-9,
+                               **common) == cheapest

@@ -28,6 +28,8 @@ from jaxsft.data.cost import PlanSeconds, StepCost, plan_seconds
 from jaxsft.data.rows import WidthPacker
 
 MAX_PACKING_WIDTHS = 4
+MAX_EXTRA_WASTE_POINTS = 2.0
+"""How many points of padding bucketed packing's widths may add to packing's (`choose_packing_widths`)."""
 
 
 def packed_batches_per_shape(lengths: Sequence[int], widths: Sequence[int],
@@ -46,17 +48,31 @@ def packed_batches_per_shape(lengths: Sequence[int], widths: Sequence[int],
   return {(b, w): n for b, w, n in zip(sizes, widths, counts) if n}
 
 
+def padding_waste(lengths: Sequence[int], batches_per_shape: dict[tuple[int, int], int]) -> float:
+  """Points of padding: 100·(1 - Σ lengths / Σ_s n_s·B_s·T_s), fill rows counted as padding."""
+  padded = sum(b * t * n for (b, t), n in batches_per_shape.items())
+  return 100.0 * (1.0 - float(np.sum(lengths)) / padded) if padded else 0.0
+
+
 def choose_packing_widths(lengths: Sequence[int], num_widths: int, *, batch_size_for: Callable[[int], int],
                           cost: StepCost, multiple_of: int = 8, max_length: int | None = None,
-                          epochs: float = 1.0, price_compiles: bool = False, sample: int = 50_000) -> list[int]:
+                          epochs: float = 1.0, price_compiles: bool = False, sample: int = 50_000,
+                          max_extra_waste: float = MAX_EXTRA_WASTE_POINTS) -> list[int]:
   """The widths (at most `num_widths`, the widest = the longest example) whose bucketed packing of
-  `lengths` the cost model predicts cheapest.
+  `lengths` the cost model predicts cheapest, of those that pad at most `max_extra_waste` points
+  more than the same packer does with max_length (the longest example without it) as its one width.
 
   Candidates for the narrower widths: the lengths' quartiles and 90th percentile, and half, a
   quarter and an eighth of the widest, rounded up to `multiple_of`; every subset of at most
   num_widths - 1 of them is simulated (`packed_batches_per_shape`) and priced (compiles too
-  with `price_compiles`); ties keep fewer widths. Past `sample` lengths the subsets are simulated
-  on a seeded `sample` of them, in their order, and their steps scaled to all.
+  with `price_compiles`); ties keep fewer widths. Where no subset keeps to the bound, the cheapest
+  of all. Past `sample` lengths the subsets are simulated on a seeded `sample` of them, in their
+  order, and their steps scaled to all.
+
+  Why the bound: narrow widths win on the fitted step cost, which is a prediction, while the
+  padding they add is certain, and it costs on any machine. Plans a few tenths of a percent apart
+  in predicted seconds can differ by points of padding (many rows that hold one typical example
+  and a half, say), and the bound keeps the plan near packing's density.
   """
   lengths = np.asarray(lengths, dtype=np.int64)
   if max_length is not None:
@@ -70,15 +86,18 @@ def choose_packing_widths(lengths: Sequence[int], num_widths: int, *, batch_size
   if len(lengths) > sample:  # the same per-shape shares at a fraction of the simulation
     epochs *= len(lengths) / sample
     lengths = lengths[np.sort(np.random.default_rng(0).choice(len(lengths), sample, replace=False))]
-  best, best_seconds = [widest], None
+  bound = padding_waste(lengths, packed_batches_per_shape(lengths, [max_length or widest], batch_size_for))
+  bound += max_extra_waste
+  best: dict[bool, tuple[float, list[int]]] = {}  # within the bound or not -> (seconds, widths) of the cheapest
   for k in range(min(num_widths, len(grid) + 1)):
     for narrower in itertools.combinations(grid, k):
       widths = list(narrower) + [widest]
       per_shape = packed_batches_per_shape(lengths, widths, batch_size_for)
       seconds = plan_seconds(cost, per_shape, list(per_shape) if price_compiles else [], epochs=epochs).total
-      if best_seconds is None or seconds < best_seconds:
-        best, best_seconds = widths, seconds
-  return best
+      within = padding_waste(lengths, per_shape) <= bound
+      if within not in best or seconds < best[within][0]:
+        best[within] = seconds, widths
+  return best.get(True, best.get(False))[1]
 
 
 @dataclasses.dataclass(frozen=True)
