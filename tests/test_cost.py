@@ -161,7 +161,7 @@ def test_batches_per_shape_counts_what_the_pipeline_emits(tokenizer):
   import collections
 
   from jaxsft.data import make_batches, synthetic, tokenize_records
-  from jaxsft.data.choose import batches_per_shape
+  from jaxsft.data.choose import batches_per_shape, packed_batches_per_shape
 
   records = synthetic.make_dataset(60, seed=4)
   tokens = tokenize_records(tokenizer, records, max_length=128)
@@ -175,6 +175,14 @@ def test_batches_per_shape_counts_what_the_pipeline_emits(tokenizer):
                                           bucket_lengths=buckets)
     assert per_shape == dict(emitted), batching
     assert set(per_shape) <= set(shapes)
+  # Packed mode is grain's first-fit into B rows sent out together, not the width packer's best fit
+  # over 2·B open rows: on 80 examples in rows of 160, 4 a batch, grain makes 10 batches, best fit 9.
+  records = synthetic.make_dataset(80, seed=4)
+  tokens = tokenize_records(tokenizer, records, max_length=160)
+  emitted = collections.Counter(b["input_ids"].shape for b in make_batches(
+      records, tokenizer, max_length=160, batching="packed", batch_size=4, shuffle=False, tokenized=tokens))
+  assert batches_per_shape("packed", tokens.lengths, max_length=160, batch_size_for=lambda t: 4)[0] == dict(emitted)
+  assert sum(packed_batches_per_shape(tokens.lengths, [160], lambda t: 4).values()) != sum(emitted.values())
 
 
 def test_packing_widths_chosen_on_a_sample_of_many_lengths_are_the_full_choice():

@@ -7,7 +7,7 @@ counts in the order the lengths are given, which for a shuffled epoch is its ord
     static            ceil(N / B) batches of (B, max_length)
     dynamic           batches of B consecutive examples, each as wide as its longest (rounded up)
     bucketed          ceil(n_k / B_k) batches of (B_k, T_k) per bucket
-    packed            first-fit rows of max_length, B rows a batch
+    packed            grain's first-fit into B rows of max_length, emitted together (`first_fit_batches`)
     bucketed_packed   rows of widths W_k, B_k rows a batch, as `rows.WidthPacker` fills them
 
 `choose_collation` predicts every candidate (each mode; bucketed with the DP's boundaries for
@@ -46,6 +46,24 @@ def packed_batches_per_shape(lengths: Sequence[int], widths: Sequence[int],
   for k, _ in packer.flush():
     counts[k] += 1
   return {(b, w): n for b, w, n in zip(sizes, widths, counts) if n}
+
+
+def first_fit_batches(lengths: Sequence[int], width: int, batch_size: int) -> int:
+  """Batches of `batch_size` rows of `width` that grain's `FirstFitPackIterDataset` (num_packing_bins
+  = batch_size, as `packing.packed_batches` runs it) makes of one epoch of `lengths`, in that order:
+  each example goes into the first of the B rows with room; one that fits in none sends all B rows
+  out as a batch and starts the next B; the rows left at the end are one more batch."""
+  batches, rows = 0, []
+  for length in np.asarray(lengths).tolist():
+    for i, used in enumerate(rows):
+      if used + length <= width:
+        rows[i] += length
+        break
+    else:
+      if len(rows) == batch_size:
+        batches, rows = batches + 1, []
+      rows.append(length)
+  return batches + (1 if rows else 0)
 
 
 def padding_waste(lengths: Sequence[int], batches_per_shape: dict[tuple[int, int], int]) -> float:
@@ -126,7 +144,7 @@ def batches_per_shape(batching: str, lengths: Sequence[int], *, max_length: int,
   if batching == "static":
     return {widest: -(-len(lengths) // widest[0])}, [widest]
   if batching == "packed":
-    return packed_batches_per_shape(lengths, [max_length], batch_size_for), [widest]
+    return {widest: first_fit_batches(lengths, max_length, widest[0])}, [widest]
   if batching == "bucketed_packed":
     per_shape = packed_batches_per_shape(lengths, bucket_lengths, batch_size_for)
     return per_shape, sorted((batch_size_for(t), t) for t in bucket_lengths)
