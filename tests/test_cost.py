@@ -204,9 +204,9 @@ def test_packing_widths_chosen_on_a_sample_of_many_lengths_are_the_full_choice()
 
 def test_packing_widths_pad_at_most_two_points_more_than_packing():
   """Short examples of 60-160 tokens and a few of 400-470: the cheapest widths under the default cost
-  make rows that hold one and a half short examples and pad over two points more than packing into
-  rows of max_length; the chosen widths keep within the two points, cost a little more than the
-  cheapest and less than packing; and the widths that already keep within the bound are unchanged."""
+  pad over two points more than packing into rows of max_length; the chosen widths keep within the
+  two points, cost no less than the cheapest and less than packing; and a bound the cheapest widths
+  keep to leaves them the choice."""
   from jaxsft.data.choose import MAX_EXTRA_WASTE_POINTS, choose_packing_widths, packed_batches_per_shape, padding_waste
   from jaxsft.data.cost import DEFAULT_COST
 
