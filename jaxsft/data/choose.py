@@ -106,16 +106,16 @@ def choose_packing_widths(lengths: Sequence[int], num_widths: int, *, batch_size
     lengths = lengths[np.sort(np.random.default_rng(0).choice(len(lengths), sample, replace=False))]
   bound = padding_waste(lengths, packed_batches_per_shape(lengths, [max_length or widest], batch_size_for))
   bound += max_extra_waste
-  best: dict[bool, tuple[float, list[int]]] = {}  # within the bound or not -> (seconds, widths) of the cheapest
+  best, best_key = [widest], None
   for k in range(min(num_widths, len(grid) + 1)):
     for narrower in itertools.combinations(grid, k):
       widths = list(narrower) + [widest]
       per_shape = packed_batches_per_shape(lengths, widths, batch_size_for)
       seconds = plan_seconds(cost, per_shape, list(per_shape) if price_compiles else [], epochs=epochs).total
-      within = padding_waste(lengths, per_shape) <= bound
-      if within not in best or seconds < best[within][0]:
-        best[within] = seconds, widths
-  return best.get(True, best.get(False))[1]
+      key = (padding_waste(lengths, per_shape) > bound, seconds)  # within the bound first, then the cheapest
+      if best_key is None or key < best_key:
+        best, best_key = widths, key
+  return best
 
 
 @dataclasses.dataclass(frozen=True)
