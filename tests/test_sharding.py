@@ -323,8 +323,9 @@ def test_bfloat16_computes_in_bf16_with_float32_lora_loss_and_optimizer_state(re
   # 24 held-out replies (~160 trained tokens): the bf16-vs-f32 gap is a mean over tokens, noisy on few.
   val_batch = data.collate(examples[4:28], pad_token_id=2, bucket_lengths=[112])
   # Training rows need no more width than their examples: four that fit 64 tokens.
-  train_batch = data.collate([e for e in examples[28:] if len(e["input_ids"]) <= 64][:4], pad_token_id=2,
-                             bucket_lengths=[64])
+  short = [e for e in examples[28:] if len(e["input_ids"]) <= 64][:4]
+  assert len(short) == 4
+  train_batch = data.collate(short, pad_token_id=2, bucket_lengths=[64])
   cfg = config_lib.TrainConfig()
   cfg.optim.schedule, cfg.optim.warmup_steps, cfg.optim.lr = "constant", 0, 2e-3
   schedule = step_lib.make_schedule(cfg.optim, 10)
