@@ -45,8 +45,8 @@ def doctor(out, run_cli):
 
 
 def test_sensible_lr_lowers_held_out_loss(tmp_path):
-  # Validation before the first step and after the last: the held-out loss falls by more than
-  # half within 4 steps at this rate, against the fifth the test asks.
+  # Validation before the first step and after the last: the held-out loss falls by over a third
+  # within 4 steps at this rate, against the fifth the test asks.
   summary, log = run(tmp_path / "ok", "--lr", "1e-3", "max_steps=4", "eval.eval_every=4")
   assert summary["steps"] == 4 and summary["recompiles"] == 0
   assert summary["val_loss"] < 0.8 * summary["first_val_loss"], summary
