@@ -41,7 +41,12 @@ Rules, first match wins:
                       its largest among the first k2 (the weights were thrown where the output
                       is flat: the loss sits at the uniform level ln(vocab) and nothing flows
                       back; without this rule the still curve would read as "flat")
-  3b. diverging       validation (>= 3 points) ends >= 10% above its first value and `last`
+  3b. diverging       above the uniform level: `last` >= ln(vocab size), the loss of a uniform
+                      guess over the vocabulary, and >= 10% above the very first training loss
+                      (a pretrained model starts far below ln V: ending above it means the
+                      updates wrecked the model, however wild the curve; needs the vocabulary
+                      size, which the trainer logs in metrics.jsonl's config line)
+  3c. diverging       validation (>= 3 points) ends >= 10% above its first value and `last`
                       is >= 10% above the very first training loss (an early blow-up that
                       the start median absorbs; checked after rule 4, before overfitting)
   4. near_zero_early  s < NEAR_ZERO (0.05 nats/token) by the end of the first epoch
@@ -223,9 +228,11 @@ def _make(pattern: str, summary: str, evidence: dict[str, Any], *, fix: str | No
 
 def diagnose(train_steps: Sequence[float], train_loss: Sequence[float], *,
              val_steps: Sequence[float] | None = None, val_loss: Sequence[float] | None = None,
-             steps_per_epoch: int | None = None, grad_norm: Sequence[float] | None = None) -> Diagnosis:
+             steps_per_epoch: int | None = None, grad_norm: Sequence[float] | None = None,
+             vocab_size: int | None = None) -> Diagnosis:
   """Classify a loss curve (see the module docstring for the statistics and thresholds).
-  `grad_norm`, when given, is the gradient norm of each of `train_steps`."""
+  `grad_norm`, when given, is the gradient norm of each of `train_steps`; `vocab_size`, when
+  given, the model's (rule 3b)."""
   curve = _finite_curve(train_steps, train_loss, grad_norm)
   if isinstance(curve, Diagnosis):
     return curve
@@ -239,6 +246,9 @@ def diagnose(train_steps: Sequence[float], train_loss: Sequence[float], *,
   if lv.last > lv.first + max(DIVERGE_REL_RISE * lv.scale, 3 * lv.se) and lv.z >= TREND_Z:
     return _make("diverging", f"the loss ended {-lv.rel_drop:.0%} above where it started "
                  f"({lv.first:.4g} -> {lv.last:.4g})", evidence)
+  worse_than_uniform = _above_uniform(loss, lv.last, vocab_size, evidence)
+  if worse_than_uniform is not None:
+    return worse_than_uniform
   near_zero = _near_zero_early(steps, lv.s, lv.first, steps_per_epoch, val_steps, val_loss, evidence)
   if near_zero is not None:
     return near_zero
@@ -368,6 +378,23 @@ def _collapsed(loss: np.ndarray, grads: np.ndarray | None, evidence: dict[str, A
                f"flat, and nothing flows back", evidence)
 
 
+def _above_uniform(loss: np.ndarray, last: float, vocab_size: int | None,
+                   evidence: dict[str, Any]) -> Diagnosis | None:
+  """Rule 3b: the end level is above ln(vocab_size), where a model that spreads its probability
+  evenly over the vocabulary sits, and above the first step's loss (the base model's, on the first
+  batch). Noise cannot put a pretrained model there, so no trend statistic is needed: a short, wild
+  curve that the start median and Mann-Kendall cannot call a rise is still caught."""
+  if not vocab_size or vocab_size < 2:
+    return None
+  uniform = math.log(vocab_size)
+  if not (last >= uniform and last > (1 + DIVERGE_REL_RISE) * float(loss[0])):
+    return None
+  evidence.update(uniform_level=uniform, first_train_loss=float(loss[0]))
+  return _make("diverging", f"the loss ended at {last:.4g}, above ln({vocab_size}) = {uniform:.4g}, what a uniform "
+               f"guess over the vocabulary scores, from {float(loss[0]):.4g} at the first step: the updates made "
+               "the model worse than one that knows nothing", evidence)
+
+
 def _near_zero_early(steps: np.ndarray, s: np.ndarray, first: float, steps_per_epoch: int | None,
                      val_steps, val_loss, evidence: dict[str, Any]) -> Diagnosis | None:
   """"near_zero_early" when the smoothed loss fell below NEAR_ZERO within the first epoch (the
@@ -412,17 +439,20 @@ def _without_trend(loss: np.ndarray, first: float, last: float, noise_rel: float
   """"oscillating" when the steps swing together (|lag-1 autocorrelation| above what noise
   gives for n points) or the noise is wild, else "flat"."""
   n = loss.size
-  rel_drop = evidence["rel_drop"]
+  change = -evidence["rel_drop"]  # (last - first) / first: + for a rise
   rho = _lag1_autocorrelation(loss)
   evidence["lag1_autocorrelation"] = rho
   limit = max(SWING_AUTOCORR, 2.5 / math.sqrt(n))
   if abs(rho) >= limit or noise_rel >= WILD_NOISE_REL:
     kind = ("alternating up and down from step to step" if rho <= -limit else
             "persistent swings" if rho >= limit else f"step-to-step noise of {noise_rel:.0%}")
-    return _make("oscillating", f"no trend ({rel_drop:+.1%} change) but {kind} "
+    return _make("oscillating", f"no trend ({change:+.1%} change) but {kind} "
                  f"(lag-1 autocorrelation {rho:+.2f}, noise {noise_rel:.0%} of the level)", evidence)
-  return _make("flat", f"the loss barely moved: {first:.4g} -> {last:.4g} ({rel_drop:+.1%}); "
-               "what varies looks like batch-to-batch noise", evidence)
+  if abs(change) < FLAT_REL_DROP:
+    return _make("flat", f"the loss barely moved: {first:.4g} -> {last:.4g} ({change:+.1%}); "
+                 "what varies looks like batch-to-batch noise", evidence)
+  return _make("flat", f"no significant trend: {first:.4g} -> {last:.4g} ({change:+.1%}) is within what "
+               "batch-to-batch noise moves these levels", evidence)
 
 
 def _finite_validation(val_steps, val_loss) -> tuple[np.ndarray, np.ndarray]:
@@ -475,7 +505,8 @@ def diagnose_run(run_dir: str | pathlib.Path) -> Diagnosis:
   m = run_files.read_metrics(run_dir)
   return diagnose(m.train_steps, m.train_loss, val_steps=m.val_steps or None,
                   val_loss=m.val_loss or None, steps_per_epoch=m.steps_per_epoch,
-                  grad_norm=m.train_grad_norm if len(m.train_grad_norm) == len(m.train_steps) else None)
+                  grad_norm=m.train_grad_norm if len(m.train_grad_norm) == len(m.train_steps) else None,
+                  vocab_size=m.vocab_size)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,7 +7,8 @@
 - `read_metrics`: the one `metrics.jsonl` reader (the doctor, the plot and the tests use it).
 
 metrics.jsonl holds one JSON object per line:
-  {"event": "config", "steps_per_epoch": ..., ...}     once, at the start of a fresh run
+  {"event": "config", "steps_per_epoch": ..., "vocab_size": ..., ...}
+                                                        once, at the start of a fresh run
   {"step": s, "loss": ..., "lr": ..., ...}              every optimizer step (+ "val_loss")
   {"step": 0, "val_loss": ...}                          the base model's held-out loss
   {"step": s, "epoch": e, "epoch_loss": ...}            when epoch e ended (logged with step s)
@@ -285,6 +286,7 @@ class MetricsLog:
   steps_per_epoch: int | None
   epoch_end_steps: list[int] = dataclasses.field(default_factory=list)
   train_grad_norm: list[float] = dataclasses.field(default_factory=list)  # per train step, when every line has it
+  vocab_size: int | None = None  # the model's, from the config line (older runs did not log it)
 
 
 def metrics_path(run_dir_or_file: str | os.PathLike) -> pathlib.Path:
@@ -338,11 +340,13 @@ def read_metrics(run_dir_or_file: str | os.PathLike) -> MetricsLog:
   grad_norm: dict[int, float] = {}
   val: dict[int, float] = {}
   epoch_ends: dict[int, int] = {}
-  steps_per_epoch = None
+  steps_per_epoch = vocab_size = None
   for where, obj in _metric_lines(path):
     if "event" in obj:
       if obj["event"] == "config" and obj.get("steps_per_epoch") is not None:
         steps_per_epoch = _number(obj, "steps_per_epoch", where, integer=True)
+      if obj["event"] == "config" and obj.get("vocab_size") is not None:
+        vocab_size = _number(obj, "vocab_size", where, integer=True)
       continue
     if not any(key in obj for key in ("loss", "val_loss", "epoch")):
       continue  # some other record
@@ -365,4 +369,4 @@ def read_metrics(run_dir_or_file: str | os.PathLike) -> MetricsLog:
     steps_per_epoch = ends[0] - train_steps[0] + 1  # the first epoch's steps
   grads = [grad_norm[s] for s in train_steps] if all(s in grad_norm for s in train_steps) else []
   return MetricsLog(path, train_steps, [train[s] for s in train_steps], val_steps,
-                    [val[s] for s in val_steps], steps_per_epoch, ends, grads)
+                    [val[s] for s in val_steps], steps_per_epoch, ends, grads, vocab_size)

@@ -127,6 +127,8 @@ def test_synthetic_curves_are_classified(expected, maker):
     assert d.pattern == expected, (seed, d.summary, d.evidence)
     assert d.likely_cause and d.fix and d.summary
     assert d.pattern in doctor.PATTERNS
+    # SmolLM2's vocabulary (ln 49152 = 10.8) changes no curve that stays below it
+    assert doctor.diagnose(steps, loss, **kwargs, vocab_size=49152).pattern == expected, seed
 
 
 def test_advice_matches_the_table():
@@ -290,3 +292,45 @@ def test_early_blow_up_that_settles_high_is_diverging_not_overfitting():
   d = doctor.diagnose(range(1, 21), train, val_steps=[0, 5, 10, 15, 20], val_loss=[4.86, 26.3, 13.1, 10.4, 10.0])
   assert d.pattern == "diverging", d.report()
   assert "learning rate" in d.likely_cause
+
+
+# Two 8-step runs of SmolLM2-135M-Instruct (`tests/test_real_runs.py`'s doctor settings at 8 steps):
+# the same first batch, lr 0.3 and lr 1e-7. Both "rise" from the first step's 2.05, which was an
+# easy batch; only the first is far above where a uniform guess over 49,152 tokens sits.
+SMOLLM2_LR_0_3 = [2.05, 15.738, 30.26, 24.912, 54.178, 24.18, 29.331, 23.507]
+SMOLLM2_LR_1E_7 = [2.05, 3.912, 2.887, 4.101, 3.41, 4.737, 3.466, 4.176]
+
+
+def test_short_wild_run_above_the_uniform_level_is_diverging():
+  """Eight wild points: the start median (15.7) holds the blow-up and Mann-Kendall sees no trend,
+  so without the vocabulary the curve read as "flat", whose advice is to raise the learning rate."""
+  high = doctor.diagnose(range(1, 9), SMOLLM2_LR_0_3, vocab_size=49152)
+  assert high.pattern == "diverging", high.report()
+  assert "learning rate far too high" in high.likely_cause
+  assert high.evidence["uniform_level"] == pytest.approx(np.log(49152), abs=1e-6)
+  low = doctor.diagnose(range(1, 9), SMOLLM2_LR_1E_7, vocab_size=49152)
+  assert low.pattern == "flat", low.report()
+  assert "uniform_level" not in low.evidence
+  # the summary says which way the levels moved (2.887 -> 4.176 is a rise)
+  assert "(+44.6%)" in low.summary and "no significant trend" in low.summary
+
+
+def test_above_the_uniform_level_needs_a_rise_from_the_first_step():
+  """A model trained from scratch starts at ln V: a flat run there is not diverging."""
+  rng = np.random.default_rng(0)
+  t = np.arange(1, 41)
+  level = np.log(49152)
+  flat = level * (1 + 0.02 * rng.standard_normal(t.size))
+  assert doctor.diagnose(t, flat, vocab_size=49152).pattern == "flat"
+  jumped = doctor.diagnose(t, np.r_[flat[:1], 1.3 * flat[1:]], vocab_size=49152)  # 30% up after step 1
+  assert jumped.pattern == "diverging" and "uniform_level" in jumped.evidence, jumped.report()
+
+
+def test_the_run_folder_gives_the_doctor_its_vocabulary(tmp_path, run_cli):
+  run = _write_run(tmp_path / "run", range(1, 9), SMOLLM2_LR_0_3)
+  lines = (run / "metrics.jsonl").read_text()
+  (run / "metrics.jsonl").write_text(json.dumps({"event": "config", "steps_per_epoch": 113, "vocab_size": 49152})
+                                     + "\n" + lines)
+  assert read_metrics(run).vocab_size == 49152
+  as_json = json.loads(run_cli(doctor.main, [run, "--json"]).stdout)
+  assert as_json["pattern"] == "diverging" and "ln(49152)" in as_json["summary"]

@@ -68,6 +68,8 @@ def test_cli_end_to_end_on_a_tiny_model(tiny_dir, small_data, tmp_path, train_ma
   assert [l["step"] for l in val] == [0, 4, 8]  # step 0: the base model's held-out loss
   config = lines[0]
   assert config["event"] == "config" and config["warmup_compiles"] >= len(config["batch_shapes"])
+  # the doctor's uniform level, ln(vocab_size), needs the model's vocabulary
+  assert config["vocab_size"] == json.loads((tiny_dir / "config.json").read_text())["vocab_size"]
   for l in train:
     assert l["compiles"] == 0  # every shape compiled at warm-up
     assert np.isfinite(l["loss"]) and l["valid_tokens"] > 0 and 0 <= l["padding_fraction"] < 1

@@ -60,6 +60,7 @@ class Run:
   peak_flops: float | None = None  # per device: the denominator of MFU (None: FLOP/s only)
   trackers: tracking.Trackers = dataclasses.field(default_factory=lambda: tracking.Trackers({}))
   param_bytes: dict = dataclasses.field(default_factory=dict)  # base_param_bytes, trainable_param_bytes
+  vocab_size: int = 0  # logged for the doctor: ln(vocab_size) is what a uniform guess scores
 
 
 def param_paths(model) -> list[str]:
@@ -158,7 +159,8 @@ def _setup(cfg: config_lib.TrainConfig, files: RunFiles, t_start: float) -> tupl
     steps, opt_state = build_steps(cfg, graphdef, trainable, frozen, mesh, total_steps)
   run = Run(cfg, files, mesh, tokenizer, data, graphdef, frozen, steps, total_steps, steps_per_epoch,
             Checkpoints(files, cfg.keep_checkpoints), t_start, probe_seconds=probes[0][3] if probes else 0.0,
-            flop_count=flop_count, peak_flops=resolve_peak_flops(cfg), param_bytes=param_bytes)
+            flop_count=flop_count, peak_flops=resolve_peak_flops(cfg), param_bytes=param_bytes,
+            vocab_size=model.config.vocab_size)
   warm_up(run, n_trainable)
   return run, RunState(trainable=trainable, opt_state=opt_state)
 
@@ -228,7 +230,7 @@ def warm_up(run: Run, n_trainable: int) -> None:
   run.config_line = {"event": "config", "steps_per_epoch": run.steps_per_epoch, "total_steps": run.total_steps,
                      "batch_shapes": run.data.shapes, "bucket_lengths": run.data.batching["bucket_lengths"],
                      "warmup_compiles": run.compiles_warmup, "warmup_seconds": round(seconds, 2), "trainable_params": n_trainable,
-                     **run.param_bytes}
+                     "vocab_size": run.vocab_size, **run.param_bytes}
 
 
 def chosen_on_timings(d: config_lib.DataConfig) -> bool:
