@@ -46,7 +46,7 @@ Rules, first match wins:
                       (a pretrained model starts far below ln V: ending above it means the
                       updates wrecked the model, however wild the curve; needs the vocabulary
                       size, which the trainer logs in metrics.jsonl's config line)
-  3c. diverging       validation (>= 3 points) ends >= 10% above its first value and `last`
+  3c. diverging       validation (>= 2 points) ends >= 10% above its first value and `last`
                       is >= 10% above the very first training loss (an early blow-up that
                       the start median absorbs; checked after rule 4, before overfitting)
   4. near_zero_early  s < NEAR_ZERO (0.05 nats/token) by the end of the first epoch
@@ -253,7 +253,7 @@ def diagnose(train_steps: Sequence[float], train_loss: Sequence[float], *,
   if near_zero is not None:
     return near_zero
   overfit = _validation_overfit(steps, lv.s, val_steps, val_loss, evidence)
-  worse = _made_worse(loss, lv.last, evidence)
+  worse = _made_worse(loss, lv.last, val_steps, val_loss, evidence)
   if worse is not None:
     return worse
   if overfit:
@@ -419,19 +419,24 @@ def _near_zero_early(steps: np.ndarray, s: np.ndarray, first: float, steps_per_e
                f"{int(steps[below[0]])}, within {when}", evidence)
 
 
-def _made_worse(loss: np.ndarray, last: float, evidence: dict[str, Any]) -> Diagnosis | None:
+def _made_worse(loss: np.ndarray, last: float, val_steps, val_loss, evidence: dict[str, Any]) -> Diagnosis | None:
   """"diverging" when worse on both sides: the held-out loss ends above its first value (the base
   model's, logged before step 1) and the training loss above its very first step. Overfitting needs
-  the training loss to have improved; an early blow-up that the start median absorbed does not."""
-  if "val_first" not in evidence:
+  the training loss to have improved; an early blow-up that the start median absorbed does not.
+  Two validation points are enough (a run that validates only before step 1 and at the end): the
+  held-out set is the same each time, so its change is the model's, not a batch's."""
+  if val_steps is None or val_loss is None:
     return None
-  val_rise = (evidence["val_last"] - evidence["val_first"]) / max(abs(evidence["val_first"]), 1e-12)
+  _, vl = _finite_validation(val_steps, val_loss)
+  if vl.size < 2:
+    return None
+  val_first, val_last = float(vl[0]), float(vl[-1])
+  val_rise = (val_last - val_first) / max(abs(val_first), 1e-12)
   if not (val_rise >= DIVERGE_REL_RISE and last > (1 + DIVERGE_REL_RISE) * float(loss[0])):
     return None
-  evidence.update(val_rise_from_first=val_rise, first_train_loss=float(loss[0]))
-  return _make("diverging", f"training made the model worse: validation {evidence['val_first']:.4g} -> "
-               f"{evidence['val_last']:.4g}, training loss {float(loss[0]):.4g} at the first step -> "
-               f"{last:.4g} at the end", evidence)
+  evidence.update(val_first=val_first, val_last=val_last, val_rise_from_first=val_rise, first_train_loss=float(loss[0]))
+  return _make("diverging", f"training made the model worse: validation {val_first:.4g} -> {val_last:.4g}, "
+               f"training loss {float(loss[0]):.4g} at the first step -> {last:.4g} at the end", evidence)
 
 
 def _without_trend(loss: np.ndarray, first: float, last: float, noise_rel: float,

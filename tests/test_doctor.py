@@ -292,6 +292,9 @@ def test_early_blow_up_that_settles_high_is_diverging_not_overfitting():
   d = doctor.diagnose(range(1, 21), train, val_steps=[0, 5, 10, 15, 20], val_loss=[4.86, 26.3, 13.1, 10.4, 10.0])
   assert d.pattern == "diverging", d.report()
   assert "learning rate" in d.likely_cause
+  # validated only before step 1 and at the end: the same two ends tell
+  d = doctor.diagnose(range(1, 21), train, val_steps=[0, 20], val_loss=[4.86, 10.0])
+  assert d.pattern == "diverging" and d.evidence["val_rise_from_first"] > 1, d.report()
 
 
 # Two 8-step runs of SmolLM2-135M-Instruct (`tests/test_real_runs.py`'s doctor settings at 8 steps):
