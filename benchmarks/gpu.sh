@@ -63,7 +63,10 @@ echo "gpu.sh ($MODE): $("$PYTHON" --version 2>&1) at $(command -v "$PYTHON" || e
 "$PYTHON" - <<'EOF'
 from importlib import metadata
 names = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax", "orbax-checkpoint", "grain", "gguf",
-         "transformers", "peft", "tokenizers", "safetensors", "pyarrow", "torch", "trl", "google-tunix")
+         "transformers", "peft", "tokenizers", "safetensors", "pyarrow", "torch", "trl", "google-tunix",
+         # what the peers import beyond the gathered wheels: TRL's `datasets` imports pandas, Tunix
+         # imports pandas and pillow (its RL modules), together ~18 MB of wheels the folder has no room for
+         "pandas", "pillow", "accelerate")
 found = []
 for name in names:
   try:
