@@ -41,11 +41,12 @@ Rules, first match wins:
                       its largest among the first k2 (the weights were thrown where the output
                       is flat: the loss sits at the uniform level ln(vocab) and nothing flows
                       back; without this rule the still curve would read as "flat")
-  3b. diverging       above the uniform level: `last` >= ln(vocab size), the loss of a uniform
-                      guess over the vocabulary, and >= 10% above the very first training loss
-                      (a pretrained model starts far below ln V: ending above it means the
-                      updates wrecked the model, however wild the curve; needs the vocabulary
-                      size, which the trainer logs in metrics.jsonl's config line)
+  3b. diverging       near the uniform level: `last` >= UNIFORM_FRACTION (80%) of ln(vocab
+                      size), the loss of a uniform guess over the vocabulary, and >= 10% above
+                      the very first training loss (a pretrained model starts far below ln V;
+                      ending near it means the updates wrecked the model, however wild the
+                      curve; needs the vocabulary size, which the trainer logs in metrics.jsonl's
+                      config line)
   3c. diverging       validation (>= 2 points) ends >= 10% above its first value and `last`
                       is >= 10% above the very first training loss (an early blow-up that
                       the start median absorbs; checked after rule 4, before overfitting)
@@ -67,10 +68,20 @@ Rules, first match wins:
                       noise alone is independent (rho ~ 0 +- 1/sqrt(n)), so the curve is flat
                       (the model is not changing) however noisy it is, unless
                       |rho| >= max(SWING_AUTOCORR (0.3), 2.5 / sqrt(n)) (persistent swings, or an
-                      up-down alternation) or noise_rel >= WILD_NOISE_REL (75%): oscillating
+                      up-down alternation) or noise_rel >= WILD_NOISE_REL (75%), or the gradient
+                      norm, when logged, rose to GRAD_SPIKE (4x) its first step's at some step
+                      (a model that does not change keeps its gradient norm; too large an update
+                      throws it up, and the loss with it): oscillating
   7. healthy          otherwise; "plateaued" when the last quarter of the run holds under
                       PLATEAU_FRACTION (20%) of the total drop and, with validation, its last
                       interval fell less than half its average interval
+
+Calibration of GRAD_SPIKE and UNIFORM_FRACTION: 8-step runs of SmolLM2-135M-Instruct (the
+real-run test's settings, no warmup): the largest gradient norm after step 1 was 1.4x the first
+step's at lr 1e-7, 1.3x, 1.3x and 1.6x at lr 1e-4, 3e-4 and 1e-3, and 7.1x at lr 0.01 (which
+spiked the loss from 2.05 to 7.9 and came back); at lr 0.03 and 0.1 the loss ended at 1.06x and
+1.11x ln V (collapsed towards uniform), at lr 0.3 at 1.7-2.7x. The default run (lr 2e-3 after
+warmup, 38 steps, healthy) peaked at 1.7x its first gradient norm.
 
 Calibration: real LoRA runs (r=8, q/v) of SmolLM2-135M-Instruct on the default dataset
 (batch 8, replies of ~8 tokens, so ~60 trained tokens per batch) have batch-to-batch noise of
@@ -98,6 +109,8 @@ NEAR_ZERO = 0.05
 NEAR_ZERO_VAL_DROP = 0.5
 DIVERGE_REL_RISE = 0.10
 GRAD_COLLAPSE = 1e-3
+GRAD_SPIKE = 4.0
+UNIFORM_FRACTION = 0.8
 VAL_RISE_REL = 0.05
 REBOUND_MIN_DROP = 0.10
 REBOUND_FRACTION = 0.25
@@ -261,7 +274,7 @@ def diagnose(train_steps: Sequence[float], train_loss: Sequence[float], *,
   rebound = _rebound(steps, lv, evidence)
   if rebound is not None:
     return rebound
-  return _trend(loss, lv, val_steps, val_loss, evidence)
+  return _trend(loss, grads, lv, val_steps, val_loss, evidence)
 
 
 def _finite_curve(train_steps: Sequence[float], train_loss: Sequence[float], grad_norm: Sequence[float] | None
@@ -334,7 +347,7 @@ def _rebound(steps: np.ndarray, lv: _Levels, evidence: dict[str, Any]) -> Diagno
                "its fall)", evidence)
 
 
-def _trend(loss: np.ndarray, lv: _Levels, val_steps: Sequence[float] | None, val_loss: Sequence[float] | None,
+def _trend(loss: np.ndarray, grads: np.ndarray | None, lv: _Levels, val_steps: Sequence[float] | None, val_loss: Sequence[float] | None,
            evidence: dict[str, Any]) -> Diagnosis:
   """Healthy (leveled off or still falling) after a significant fall, else `_without_trend`."""
   # A trend: 10% lower at the end, and significant by the end medians, by Mann-Kendall over
@@ -345,7 +358,7 @@ def _trend(loss: np.ndarray, lv: _Levels, val_steps: Sequence[float] | None, val
     evidence["val_rel_drop"] = val_drop
   significant = lv.drop >= 2.5 * lv.se or lv.z <= -TREND_Z or (val_drop is not None and val_drop >= FLAT_REL_DROP)
   if max(lv.rel_drop, val_drop or 0.0) < FLAT_REL_DROP or not significant:
-    return _without_trend(loss, lv.first, lv.last, lv.noise_rel, evidence)
+    return _without_trend(loss, grads, lv.first, lv.last, lv.noise_rel, evidence)
 
   # Leveled off: the last quarter fell less than PLATEAU_FRACTION of the whole drop, unless the
   # (far less noisy) validation loss fell in its last interval at least half its average interval.
@@ -380,19 +393,20 @@ def _collapsed(loss: np.ndarray, grads: np.ndarray | None, evidence: dict[str, A
 
 def _above_uniform(loss: np.ndarray, last: float, vocab_size: int | None,
                    evidence: dict[str, Any]) -> Diagnosis | None:
-  """Rule 3b: the end level is above ln(vocab_size), where a model that spreads its probability
-  evenly over the vocabulary sits, and above the first step's loss (the base model's, on the first
-  batch). Noise cannot put a pretrained model there, so no trend statistic is needed: a short, wild
-  curve that the start median and Mann-Kendall cannot call a rise is still caught."""
+  """Rule 3b: the end level is near ln(vocab_size) (UNIFORM_FRACTION of it or more), where a model
+  that spreads its probability evenly over the vocabulary sits, and above the first step's loss (the
+  base model's, on the first batch). Noise cannot put a pretrained model there, so no trend statistic
+  is needed: a short, wild curve that the start median and Mann-Kendall cannot call a rise is still
+  caught."""
   if not vocab_size or vocab_size < 2:
     return None
   uniform = math.log(vocab_size)
-  if not (last >= uniform and last > (1 + DIVERGE_REL_RISE) * float(loss[0])):
+  if not (last >= UNIFORM_FRACTION * uniform and last > (1 + DIVERGE_REL_RISE) * float(loss[0])):
     return None
   evidence.update(uniform_level=uniform, first_train_loss=float(loss[0]))
-  return _make("diverging", f"the loss ended at {last:.4g}, above ln({vocab_size}) = {uniform:.4g}, what a uniform "
-               f"guess over the vocabulary scores, from {float(loss[0]):.4g} at the first step: the updates made "
-               "the model worse than one that knows nothing", evidence)
+  return _make("diverging", f"the loss ended at {last:.4g}, {last / uniform:.0%} of ln({vocab_size}) = {uniform:.4g}, "
+               f"what a uniform guess over the vocabulary scores, from {float(loss[0]):.4g} at the first step: "
+               "the updates wrecked the model", evidence)
 
 
 def _near_zero_early(steps: np.ndarray, s: np.ndarray, first: float, steps_per_epoch: int | None,
@@ -439,10 +453,10 @@ def _made_worse(loss: np.ndarray, last: float, val_steps, val_loss, evidence: di
                f"training loss {float(loss[0]):.4g} at the first step -> {last:.4g} at the end", evidence)
 
 
-def _without_trend(loss: np.ndarray, first: float, last: float, noise_rel: float,
+def _without_trend(loss: np.ndarray, grads: np.ndarray | None, first: float, last: float, noise_rel: float,
                    evidence: dict[str, Any]) -> Diagnosis:
   """"oscillating" when the steps swing together (|lag-1 autocorrelation| above what noise
-  gives for n points) or the noise is wild, else "flat"."""
+  gives for n points), the noise is wild or the gradient norm spiked, else "flat"."""
   n = loss.size
   change = -evidence["rel_drop"]  # (last - first) / first: + for a rise
   rho = _lag1_autocorrelation(loss)
@@ -453,6 +467,13 @@ def _without_trend(loss: np.ndarray, first: float, last: float, noise_rel: float
             "persistent swings" if rho >= limit else f"step-to-step noise of {noise_rel:.0%}")
     return _make("oscillating", f"no trend ({change:+.1%} change) but {kind} "
                  f"(lag-1 autocorrelation {rho:+.2f}, noise {noise_rel:.0%} of the level)", evidence)
+  if grads is not None and grads.size == n and grads[0] > 0:
+    k = int(np.argmax(grads))
+    evidence["grad_norm_max_over_first"] = spike = float(grads[k] / grads[0])
+    if spike >= GRAD_SPIKE:
+      return _make("oscillating", f"no trend ({change:+.1%} change), but the updates threw the model about: the "
+                   f"gradient norm rose to {spike:.1f}x its first step's ({grads[0]:.3g} -> {grads[k]:.3g}) and the "
+                   f"loss as high as {float(loss.max()):.4g} (first step {float(loss[0]):.4g})", evidence)
   if abs(change) < FLAT_REL_DROP:
     return _make("flat", f"the loss barely moved: {first:.4g} -> {last:.4g} ({change:+.1%}); "
                  "what varies looks like batch-to-batch noise", evidence)

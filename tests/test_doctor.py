@@ -297,11 +297,16 @@ def test_early_blow_up_that_settles_high_is_diverging_not_overfitting():
   assert d.pattern == "diverging" and d.evidence["val_rise_from_first"] > 1, d.report()
 
 
-# Two 8-step runs of SmolLM2-135M-Instruct (`tests/test_real_runs.py`'s doctor settings at 8 steps):
-# the same first batch, lr 0.3 and lr 1e-7. Both "rise" from the first step's 2.05, which was an
-# easy batch; only the first is far above where a uniform guess over 49,152 tokens sits.
+# 8-step runs of SmolLM2-135M-Instruct (`tests/test_real_runs.py`'s doctor settings at 8 steps),
+# the same first batch at several learning rates: losses, then gradient norms. All "rise" from the
+# first step's 2.05, which was an easy batch; lr 0.03 and 0.3 end near or far above where a uniform
+# guess over 49,152 tokens sits (ln 49152 = 10.8), lr 0.01 spikes and comes back.
 SMOLLM2_LR_0_3 = [2.05, 15.738, 30.26, 24.912, 54.178, 24.18, 29.331, 23.507]
+SMOLLM2_LR_0_03 = [2.05, 7.273, 12.383, 33.244, 13.519, 12.8, 10.315, 11.444]
+SMOLLM2_LR_0_01 = [2.05, 2.618, 3.001, 7.858, 7.165, 2.364, 1.61, 2.861]
+SMOLLM2_LR_0_01_GRADS = [4.67, 13.17, 12.3, 33.28, 25.15, 8.48, 7.79, 10.66]
 SMOLLM2_LR_1E_7 = [2.05, 3.912, 2.887, 4.101, 3.41, 4.737, 3.466, 4.176]
+SMOLLM2_LR_1E_7_GRADS = [4.67, 6.62, 5.1, 6.35, 4.6, 4.97, 5.22, 4.82]
 
 
 def test_short_wild_run_above_the_uniform_level_is_diverging():
@@ -311,7 +316,9 @@ def test_short_wild_run_above_the_uniform_level_is_diverging():
   assert high.pattern == "diverging", high.report()
   assert "learning rate far too high" in high.likely_cause
   assert high.evidence["uniform_level"] == pytest.approx(np.log(49152), abs=1e-6)
-  low = doctor.diagnose(range(1, 9), SMOLLM2_LR_1E_7, vocab_size=49152)
+  near = doctor.diagnose(range(1, 9), SMOLLM2_LR_0_03, vocab_size=49152)  # ends at 1.06 ln V
+  assert near.pattern == "diverging" and "uniform_level" in near.evidence, near.report()
+  low = doctor.diagnose(range(1, 9), SMOLLM2_LR_1E_7, vocab_size=49152, grad_norm=SMOLLM2_LR_1E_7_GRADS)
   assert low.pattern == "flat", low.report()
   assert "uniform_level" not in low.evidence
   # the summary says which way the levels moved (2.887 -> 4.176 is a rise)
@@ -337,3 +344,15 @@ def test_the_run_folder_gives_the_doctor_its_vocabulary(tmp_path, run_cli):
   assert read_metrics(run).vocab_size == 49152
   as_json = json.loads(run_cli(doctor.main, [run, "--json"]).stdout)
   assert as_json["pattern"] == "diverging" and "ln(49152)" in as_json["summary"]
+
+
+def test_a_gradient_norm_spike_without_a_trend_is_oscillating_not_flat():
+  """lr 0.01: the loss went 2.05 -> 7.9 and back, the gradient norm 4.67 -> 33 (7x); from the
+  losses alone the eight points hold no trend and read as flat ("learning rate too low")."""
+  assert doctor.diagnose(range(1, 9), SMOLLM2_LR_0_01).pattern == "flat"
+  d = doctor.diagnose(range(1, 9), SMOLLM2_LR_0_01, grad_norm=SMOLLM2_LR_0_01_GRADS, vocab_size=49152)
+  assert d.pattern == "oscillating" and "learning rate too high" in d.likely_cause, d.report()
+  assert d.evidence["grad_norm_max_over_first"] == pytest.approx(33.28 / 4.67, rel=1e-4)
+  # a model that does not change keeps its gradient norm (lr 1e-7: at most 1.4x the first step's)
+  d = doctor.diagnose(range(1, 9), SMOLLM2_LR_1E_7, grad_norm=SMOLLM2_LR_1E_7_GRADS)
+  assert d.pattern == "flat" and d.evidence["grad_norm_max_over_first"] < 1.5, d.report()
