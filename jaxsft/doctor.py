@@ -465,15 +465,16 @@ def _without_trend(loss: np.ndarray, grads: np.ndarray | None, first: float, las
   if abs(rho) >= limit or noise_rel >= WILD_NOISE_REL:
     kind = ("alternating up and down from step to step" if rho <= -limit else
             "persistent swings" if rho >= limit else f"step-to-step noise of {noise_rel:.0%}")
-    return _make("oscillating", f"no trend ({change:+.1%} change) but {kind} "
+    return _make("oscillating", f"no significant trend ({change:+.1%} change) but {kind} "
                  f"(lag-1 autocorrelation {rho:+.2f}, noise {noise_rel:.0%} of the level)", evidence)
   if grads is not None and grads.size == n and grads[0] > 0:
     k = int(np.argmax(grads))
     evidence["grad_norm_max_over_first"] = spike = float(grads[k] / grads[0])
     if spike >= GRAD_SPIKE:
-      return _make("oscillating", f"no trend ({change:+.1%} change), but the updates threw the model about: the "
-                   f"gradient norm rose to {spike:.1f}x its first step's ({grads[0]:.3g} -> {grads[k]:.3g}) and the "
-                   f"loss as high as {float(loss.max()):.4g} (first step {float(loss[0]):.4g})", evidence)
+      return _make("oscillating", f"no significant trend ({change:+.1%} change), but the updates threw the "
+                   f"model about: the gradient norm rose to {spike:.1f}x its first step's ({grads[0]:.3g} -> "
+                   f"{grads[k]:.3g}) and the loss as high as {float(loss.max()):.4g} (first step "
+                   f"{float(loss[0]):.4g})", evidence)
   if abs(change) < FLAT_REL_DROP:
     return _make("flat", f"the loss barely moved: {first:.4g} -> {last:.4g} ({change:+.1%}); "
                  "what varies looks like batch-to-batch noise", evidence)
