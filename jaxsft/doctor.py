@@ -347,8 +347,8 @@ def _rebound(steps: np.ndarray, lv: _Levels, evidence: dict[str, Any]) -> Diagno
                "its fall)", evidence)
 
 
-def _trend(loss: np.ndarray, grads: np.ndarray | None, lv: _Levels, val_steps: Sequence[float] | None, val_loss: Sequence[float] | None,
-           evidence: dict[str, Any]) -> Diagnosis:
+def _trend(loss: np.ndarray, grads: np.ndarray | None, lv: _Levels, val_steps: Sequence[float] | None,
+           val_loss: Sequence[float] | None, evidence: dict[str, Any]) -> Diagnosis:
   """Healthy (leveled off or still falling) after a significant fall, else `_without_trend`."""
   # A trend: 10% lower at the end, and significant by the end medians, by Mann-Kendall over
   # every point, or by the (low-noise) validation loss.
