@@ -6,13 +6,14 @@ returns one of the patterns of the fine-tuning checklist, with the likely cause 
   pattern          what the curve does                               likely cause
   healthy          decreases, then plateaus                          -
   near_zero_early  ~0 within the first epoch                         LR too high / tiny repetitive data
-  oscillating      swings without a trend                            LR too high / batch too small
+  oscillating      swings without a trend (or its gradient norm      LR too high / batch too small
+                   spikes)
   overfitting      decreases then rises, or train falls while        memorizing the training set
                    validation rises
   flat             barely moves                                      LR too low / rank too small / no
                                                                      gradient reaching the adapter
-  diverging        ends clearly above where it started, or goes      LR far too high / numerics
-                   non-finite
+  diverging        ends clearly above where it started, near the     LR far too high / numerics
+                   uniform level ln(vocab), or goes non-finite
   too_short        fewer than MIN_POINTS finite losses               -
 
 `python -m jaxsft.doctor RUN_DIR` prints the diagnosis of `RUN_DIR/metrics.jsonl`.
