@@ -13,12 +13,16 @@ from __future__ import annotations
 import errno
 import os
 import re
+import select
+import stat
 import sys
 from typing import Callable
 
 EXIT_USAGE = 2
 """The exit status of a refusal (argparse's, for a bad command line, is the same)."""
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141
+"""stdout's reader went away (`... | head`): 128 + SIGPIPE, what a shell tool killed by it returns."""
 
 # OSErrors that say something about the machine or the user's paths, not about jaxsft.
 ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS,
@@ -86,14 +90,34 @@ def refusal_message(error: BaseException) -> str | None:
   return None
 
 
+def stdout_reader_gone() -> bool:
+  """Whether stdout is a pipe whose reading end is closed (a `| head` that has exited): the
+  kernel flags such a pipe with POLLERR. A broken pipe anywhere else is not this."""
+  try:
+    fd = sys.stdout.fileno()
+    if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+      return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+  except (OSError, ValueError, AttributeError):  # no real stdout (closed, captured, replaced)
+    return False
+
+
 def run_cli(body: Callable[[], int | None]) -> int:
   """Runs a command's body: its return value is the exit status (None: 0); a refusal is one
-  `error:` line on stderr and `EXIT_USAGE`; Ctrl-C is `EXIT_INTERRUPTED`; a bug propagates."""
+  `error:` line on stderr and `EXIT_USAGE`; Ctrl-C is `EXIT_INTERRUPTED`; stdout's reader gone
+  (`| head`) is a quiet `EXIT_BROKEN_PIPE`; a bug propagates."""
   try:
     status = body()
   except KeyboardInterrupt:
     return EXIT_INTERRUPTED
   except Exception as e:
+    if isinstance(e, BrokenPipeError) and stdout_reader_gone():
+      # What is left in stdout's buffer would raise again at the interpreter's exit: point the
+      # descriptor at /dev/null so that last flush goes nowhere.
+      os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+      return EXIT_BROKEN_PIPE
     message = refusal_message(e)
     if message is None:
       raise

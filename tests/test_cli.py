@@ -1,9 +1,14 @@
 """The `jaxsft` command line (`jaxsft.cli`): each command forwarded to its module's `main`."""
 
+import os
 import pathlib
+import subprocess
+import sys
 
 import jaxsft
 from jaxsft import cli
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_jaxsft_help_lists_every_command(run_cli):
@@ -31,3 +36,33 @@ def test_every_command_names_a_module_of_the_package():
   for module, _ in cli.COMMANDS.values():
     path = root.joinpath(*module.split(".")[1:])
     assert path.with_suffix(".py").is_file() or (path / "__init__.py").is_file(), module
+
+
+# A command run through `errors.run_cli`, its stdout a pipe whose reader is or is not gone.
+_COMMAND = ("import sys; from jaxsft import errors\n"
+            "def body():\n  {}\n"
+            "sys.exit(errors.run_cli(body))")
+
+
+def _run_with_stdout_closed(body: str, *, stdout_closed: bool) -> subprocess.CompletedProcess:
+  read_end, write_end = os.pipe()
+  if stdout_closed:
+    os.close(read_end)  # the reader is gone before the command writes
+  try:
+    return subprocess.run([sys.executable, "-c", _COMMAND.format(body)], cwd=ROOT, stdout=write_end,
+                          stderr=subprocess.PIPE, text=True, timeout=60)
+  finally:
+    os.close(write_end)
+    if not stdout_closed:
+      os.close(read_end)
+
+
+def test_stdouts_reader_gone_ends_a_command_quietly():
+  """`python -m jaxsft.doctor RUN | head -2`: no traceback, the shell's status for SIGPIPE."""
+  r = _run_with_stdout_closed("print('loss curve: healthy\\n' * 10000)", stdout_closed=True)
+  assert r.returncode == 141 and r.stderr == "", r.stderr
+
+
+def test_a_broken_pipe_that_is_not_stdouts_keeps_its_traceback():
+  r = _run_with_stdout_closed("raise BrokenPipeError(32, 'a worker went away')", stdout_closed=False)
+  assert r.returncode == 1 and "Traceback" in r.stderr and "a worker went away" in r.stderr, r.stderr
