@@ -311,7 +311,8 @@ SMOLLM2_LR_1E_7_GRADS = [4.67, 6.62, 5.1, 6.35, 4.6, 4.97, 5.22, 4.82]
 
 def test_short_wild_run_above_the_uniform_level_is_diverging():
   """Eight wild points: the start median (15.7) holds the blow-up and Mann-Kendall sees no trend,
-  so without the vocabulary the curve read as "flat", whose advice is to raise the learning rate."""
+  so without the vocabulary (and the gradient norms) the curve read as "flat", whose advice is to
+  raise the learning rate."""
   high = doctor.diagnose(range(1, 9), SMOLLM2_LR_0_3, vocab_size=49152)
   assert high.pattern == "diverging", high.report()
   assert "learning rate far too high" in high.likely_cause
