@@ -60,7 +60,6 @@ class Run:
   peak_flops: float | None = None  # per device: the denominator of MFU (None: FLOP/s only)
   trackers: tracking.Trackers = dataclasses.field(default_factory=lambda: tracking.Trackers({}))
   param_bytes: dict = dataclasses.field(default_factory=dict)  # base_param_bytes, trainable_param_bytes
-  vocab_size: int = 0  # logged for the doctor: ln(vocab_size) is what a uniform guess scores
 
 
 def param_paths(model) -> list[str]:
@@ -159,8 +158,7 @@ def _setup(cfg: config_lib.TrainConfig, files: RunFiles, t_start: float) -> tupl
     steps, opt_state = build_steps(cfg, graphdef, trainable, frozen, mesh, total_steps)
   run = Run(cfg, files, mesh, tokenizer, data, graphdef, frozen, steps, total_steps, steps_per_epoch,
             Checkpoints(files, cfg.keep_checkpoints), t_start, probe_seconds=probes[0][3] if probes else 0.0,
-            flop_count=flop_count, peak_flops=resolve_peak_flops(cfg), param_bytes=param_bytes,
-            vocab_size=model.config.vocab_size)
+            flop_count=flop_count, peak_flops=resolve_peak_flops(cfg), param_bytes=param_bytes)
   warm_up(run, n_trainable)
   return run, RunState(trainable=trainable, opt_state=opt_state)
 
@@ -230,7 +228,8 @@ def warm_up(run: Run, n_trainable: int) -> None:
   run.config_line = {"event": "config", "steps_per_epoch": run.steps_per_epoch, "total_steps": run.total_steps,
                      "batch_shapes": run.data.shapes, "bucket_lengths": run.data.batching["bucket_lengths"],
                      "warmup_compiles": run.compiles_warmup, "warmup_seconds": round(seconds, 2), "trainable_params": n_trainable,
-                     "vocab_size": run.vocab_size, **run.param_bytes}
+                     # for the doctor: ln(vocab_size) is what a uniform guess scores
+                     "vocab_size": run.flop_count.vocab_size if run.flop_count else None, **run.param_bytes}
 
 
 def chosen_on_timings(d: config_lib.DataConfig) -> bool:
