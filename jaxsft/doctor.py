@@ -14,6 +14,8 @@ returns one of the patterns of the fine-tuning checklist, with the likely cause 
                                                                      gradient reaching the adapter
   diverging        ends clearly above where it started, near the     LR far too high / numerics
                    uniform level ln(vocab), or goes non-finite
+  too_noisy        no trend, but too few or too noisy points to      too few steps / trained tokens
+                   have shown the fall a working fine-tune makes     per batch for the noise
   too_short        fewer than MIN_POINTS finite losses               -
 
 `python -m jaxsft.doctor RUN_DIR` prints the diagnosis of `RUN_DIR/metrics.jsonl`.
@@ -61,18 +63,25 @@ Rules, first match wins:
                       or train alone: s falls to a minimum before 85% of the run by
                       >= max(REBOUND_MIN_DROP * first, 3 se) (10%), then `last` climbs back
                       >= max(REBOUND_FRACTION * that fall, 3 se) (25%)
-  6. flat or         no meaningful trend: train (rel_drop) and validation both less than
+  6. flat,           no meaningful trend: train (rel_drop) and validation both less than
      oscillating      FLAT_REL_DROP (10%) lower at the end than at the start, or the drop is not
-                      significant by any of: drop >= 2.5 se; Mann-Kendall z <= -TREND_Z (3) over
-                      every point; validation 10% lower at its end than at its start.
+     or too_noisy     significant by any of: drop >= 2.5 se; Mann-Kendall z <= -TREND_Z (3) over
+                      every point; validation (>= 2 points) 10% lower at its end than at its start.
                       Then rho = lag-1 autocorrelation around a straight-line fit: batch-to-batch
-                      noise alone is independent (rho ~ 0 +- 1/sqrt(n)), so the curve is flat
-                      (the model is not changing) however noisy it is, unless
-                      |rho| >= max(SWING_AUTOCORR (0.3), 2.5 / sqrt(n)) (persistent swings, or an
-                      up-down alternation) or noise_rel >= WILD_NOISE_REL (75%), or the gradient
-                      norm, when logged, rose to GRAD_SPIKE (4x) its first step's at some step
-                      (a model that does not change keeps its gradient norm; too large an update
-                      throws it up, and the loss with it): oscillating
+                      noise alone is independent (rho ~ 0 +- 1/sqrt(n)), so a noisy curve is not
+                      called oscillating unless |rho| >= max(SWING_AUTOCORR (0.3), 2.5 / sqrt(n))
+                      (persistent swings, or an up-down alternation) or noise_rel >=
+                      WILD_NOISE_REL (75%), or the gradient norm, when logged, rose to GRAD_SPIKE
+                      (4x) its first step's at some step (a model that does not change keeps its
+                      gradient norm; too large an update throws it up, and the loss with it):
+                      oscillating.
+                      "flat" also needs evidence that the model is not changing: validation (>= 2
+                      points: the same held-out set each time, so no batch noise), a curve that
+                      would have shown a fall of DETECT_REL_DROP (25%) of the first level (the
+                      end medians' 2.5 se, or the Mann-Kendall z that a straight fall of that
+                      size in this noise is expected to give, at or past -TREND_Z), or a peak
+                      learning rate under LOW_LR (1e-5: under AdamW each weight moves about lr a
+                      step at most). Without any of them: too_noisy
   7. healthy          otherwise; "plateaued" when the last quarter of the run holds under
                       PLATEAU_FRACTION (20%) of the total drop and, with validation, its last
                       interval fell less than half its average interval
@@ -83,6 +92,12 @@ step's at lr 1e-7, 1.3x, 1.3x and 1.6x at lr 1e-4, 3e-4 and 1e-3, and 7.1x at lr
 spiked the loss from 2.05 to 7.9 and came back); at lr 0.03 and 0.1 the loss ended at 1.06x and
 1.11x ln V (collapsed towards uniform), at lr 0.3 at 1.7-2.7x. The default run (lr 2e-3 after
 warmup, 38 steps, healthy) peaked at 1.7x its first gradient norm.
+
+Calibration of DETECT_REL_DROP: runs that work fall by far more than a quarter (the default run
+99%; 20 steps of the real-run test's settings at lr 3e-3 from 2.05 to ~0.5), yet 8 steps of those
+settings at lr 3e-3 (batch noise 58% of the level) fall 42% without a significant trend: their
+expected Mann-Kendall z for a 25% fall is about -0.5, so the curve cannot tell a working run from a
+still one, and its old verdict, "flat", told the user to raise a learning rate that was fine.
 
 Calibration: real LoRA runs (r=8, q/v) of SmolLM2-135M-Instruct on the default dataset
 (batch 8, replies of ~8 tokens, so ~60 trained tokens per batch) have batch-to-batch noise of
@@ -121,8 +136,11 @@ TREND_Z = 3.0
 SWING_AUTOCORR = 0.3
 WILD_NOISE_REL = 0.75
 PLATEAU_FRACTION = 0.2
+DETECT_REL_DROP = 0.25
+LOW_LR = 1e-5
 
-PATTERNS = ("healthy", "near_zero_early", "oscillating", "overfitting", "flat", "diverging", "too_short")
+PATTERNS = ("healthy", "near_zero_early", "oscillating", "overfitting", "flat", "diverging", "too_noisy",
+            "too_short")
 
 _ADVICE = {
     "healthy": ("the loss decreases, then levels off: training is working", "nothing to fix"),
@@ -144,6 +162,11 @@ _ADVICE = {
         "learning rate far too high (or numerical trouble: overflow, broken records)",
         "lower the learning rate 10x, keep gradient clipping at 1.0, add warmup; check the "
         "data for broken records"),
+    "too_noisy": (
+        "too few steps, or too few trained tokens per batch, for the batch-to-batch noise: the curve "
+        "cannot tell a model that learns from one that does not",
+        "validate (eval.eval_every: the held-out loss has no batch noise), train longer, or raise "
+        "the tokens per batch or gradient accumulation"),
     "too_short": (
         f"too few logged losses to judge (fewer than {MIN_POINTS})",
         "train longer or log the loss more often"),
@@ -234,19 +257,24 @@ def smoothing_window(n: int) -> int:
 
 def _make(pattern: str, summary: str, evidence: dict[str, Any], *, fix: str | None = None) -> Diagnosis:
   cause, default_fix = _ADVICE[pattern]
-  clean = {k: (round(float(v), 6) if isinstance(v, (float, np.floating)) else
+  clean = {k: (_rounded(float(v)) if isinstance(v, (float, np.floating)) else
                int(v) if isinstance(v, (np.integer,)) else bool(v) if isinstance(v, np.bool_) else v)
            for k, v in evidence.items()}
   return Diagnosis(pattern, summary, cause, fix or default_fix, clean)
 
 
+def _rounded(value: float) -> float:
+  """Six decimals; six significant digits below 1e-3 (a learning rate would round to 0)."""
+  return round(value, 6) if abs(value) >= 1e-3 else float(f"{value:.6g}")
+
+
 def diagnose(train_steps: Sequence[float], train_loss: Sequence[float], *,
              val_steps: Sequence[float] | None = None, val_loss: Sequence[float] | None = None,
              steps_per_epoch: int | None = None, grad_norm: Sequence[float] | None = None,
-             vocab_size: int | None = None) -> Diagnosis:
+             vocab_size: int | None = None, learning_rate: Sequence[float] | None = None) -> Diagnosis:
   """Classify a loss curve (see the module docstring for the statistics and thresholds).
-  `grad_norm`, when given, is the gradient norm of each of `train_steps`; `vocab_size`, when
-  given, the model's (rule 3b)."""
+  `grad_norm` and `learning_rate`, when given, are the gradient norm and the learning rate of each
+  of `train_steps`; `vocab_size`, when given, the model's (rule 3b)."""
   curve = _finite_curve(train_steps, train_loss, grad_norm)
   if isinstance(curve, Diagnosis):
     return curve
@@ -275,7 +303,7 @@ def diagnose(train_steps: Sequence[float], train_loss: Sequence[float], *,
   rebound = _rebound(steps, lv, evidence)
   if rebound is not None:
     return rebound
-  return _trend(loss, grads, lv, val_steps, val_loss, evidence)
+  return _trend(loss, grads, lv, val_steps, val_loss, learning_rate, evidence)
 
 
 def _finite_curve(train_steps: Sequence[float], train_loss: Sequence[float], grad_norm: Sequence[float] | None
@@ -309,6 +337,7 @@ class _Levels:
   first: float
   last: float
   se: float  # standard error of first - last
+  noise: float  # typical per-step noise (robust)
   drop: float
   scale: float
   rel_drop: float
@@ -333,7 +362,7 @@ class _Levels:
                     trend_to_noise=drop / noise, smoothed_min=float(s[i_min]), smoothed_min_step=int(steps[i_min]),
                     window=window)
     evidence["mann_kendall_z"] = z = _mann_kendall_z(loss)
-    return cls(n, s, first, last, se, drop, scale, rel_drop, noise_rel, i_min, z)
+    return cls(n, s, first, last, se, noise, drop, scale, rel_drop, noise_rel, i_min, z)
 
 
 def _rebound(steps: np.ndarray, lv: _Levels, evidence: dict[str, Any]) -> Diagnosis | None:
@@ -349,24 +378,26 @@ def _rebound(steps: np.ndarray, lv: _Levels, evidence: dict[str, Any]) -> Diagno
 
 
 def _trend(loss: np.ndarray, grads: np.ndarray | None, lv: _Levels, val_steps: Sequence[float] | None,
-           val_loss: Sequence[float] | None, evidence: dict[str, Any]) -> Diagnosis:
+           val_loss: Sequence[float] | None, learning_rate: Sequence[float] | None,
+           evidence: dict[str, Any]) -> Diagnosis:
   """Healthy (leveled off or still falling) after a significant fall, else `_without_trend`."""
   # A trend: 10% lower at the end, and significant by the end medians, by Mann-Kendall over
-  # every point, or by the (low-noise) validation loss.
-  val_drop = None
-  if "val_first" in evidence:
-    val_drop = (evidence["val_first"] - evidence["val_last"]) / max(abs(evidence["val_first"]), 1e-12)
-    evidence["val_rel_drop"] = val_drop
+  # every point, or by the (low-noise) validation loss: two points are enough, the same held-out
+  # set before and after.
+  val_drop, vl = None, np.empty(0)
+  if val_steps is not None and val_loss is not None:
+    _, vl = _finite_validation(val_steps, val_loss)
+  if vl.size >= 2:
+    evidence["val_rel_drop"] = val_drop = (vl[0] - vl[-1]) / max(abs(vl[0]), 1e-12)
   significant = lv.drop >= 2.5 * lv.se or lv.z <= -TREND_Z or (val_drop is not None and val_drop >= FLAT_REL_DROP)
   if max(lv.rel_drop, val_drop or 0.0) < FLAT_REL_DROP or not significant:
-    return _without_trend(loss, grads, lv.first, lv.last, lv.noise_rel, evidence)
+    return _without_trend(loss, grads, lv, val_drop is not None, learning_rate, evidence)
 
   # Leveled off: the last quarter fell less than PLATEAU_FRACTION of the whole drop, unless the
   # (far less noisy) validation loss fell in its last interval at least half its average interval.
   q3 = float(lv.s[min(int(0.75 * lv.n), lv.n - 1)])
   plateaued = (q3 - lv.last) < PLATEAU_FRACTION * lv.drop
   if val_drop is not None:
-    _, vl = _finite_validation(val_steps, val_loss)
     mean_interval = (vl[0] - vl[-1]) / (vl.size - 1)
     plateaued = plateaued and not (mean_interval > 0 and vl[-2] - vl[-1] >= 0.5 * mean_interval)
   evidence["plateaued"] = plateaued
@@ -454,11 +485,12 @@ def _made_worse(loss: np.ndarray, last: float, val_steps, val_loss, evidence: di
                f"training loss {float(loss[0]):.4g} at the first step -> {last:.4g} at the end", evidence)
 
 
-def _without_trend(loss: np.ndarray, grads: np.ndarray | None, first: float, last: float, noise_rel: float,
-                   evidence: dict[str, Any]) -> Diagnosis:
+def _without_trend(loss: np.ndarray, grads: np.ndarray | None, lv: _Levels, validated: bool,
+                   learning_rate: Sequence[float] | None, evidence: dict[str, Any]) -> Diagnosis:
   """"oscillating" when the steps swing together (|lag-1 autocorrelation| above what noise
-  gives for n points), the noise is wild or the gradient norm spiked, else "flat"."""
-  n = loss.size
+  gives for n points), the noise is wild or the gradient norm spiked; else "flat" when something
+  shows the model still (`_shows_still`), else "too_noisy"."""
+  n, first, last, noise_rel = loss.size, lv.first, lv.last, lv.noise_rel
   change = -evidence["rel_drop"]  # (last - first) / first: + for a rise
   rho = _lag1_autocorrelation(loss)
   evidence["lag1_autocorrelation"] = rho
@@ -476,11 +508,58 @@ def _without_trend(loss: np.ndarray, grads: np.ndarray | None, first: float, las
                    f"model about: the gradient norm rose to {spike:.1f}x its first step's ({grads[0]:.3g} -> "
                    f"{grads[k]:.3g}) and the loss as high as {float(loss.max()):.4g} (first step "
                    f"{float(loss[0]):.4g})", evidence)
+  still = _shows_still(lv, validated, learning_rate, evidence)
+  if still is None:
+    return _make("too_noisy", f"no significant trend: {first:.4g} -> {last:.4g} ({change:+.1%}), but {n} losses "
+                 f"with batch-to-batch noise of {noise_rel:.0%} of the level could not show one: a straight "
+                 f"{DETECT_REL_DROP:.0%} fall would give a Mann-Kendall z of about "
+                 f"{evidence['detectable_fall_z']:.2g} (a trend needs {-TREND_Z:.3g})", evidence)
+  if still:
+    return _make("flat", f"no significant trend: {first:.4g} -> {last:.4g} ({change:+.1%}), and {still}", evidence)
   if abs(change) < FLAT_REL_DROP:
     return _make("flat", f"the loss barely moved: {first:.4g} -> {last:.4g} ({change:+.1%}); "
                  "what varies looks like batch-to-batch noise", evidence)
   return _make("flat", f"no significant trend: {first:.4g} -> {last:.4g} ({change:+.1%}) is within what "
                "batch-to-batch noise moves these levels", evidence)
+
+
+def _shows_still(lv: _Levels, validated: bool, learning_rate: Sequence[float] | None,
+                 evidence: dict[str, Any]) -> str | None:
+  """Why a curve without a trend is "flat" rather than "too_noisy": "" when validation or the curve
+  itself could have shown a fall of DETECT_REL_DROP, a sentence when the learning rate is too low for
+  the adapter to move, None when nothing tells (see the module docstring)."""
+  fall = DETECT_REL_DROP * lv.scale
+  evidence["detectable_fall_z"] = z = _mann_kendall_expected_z(lv.n, fall, lv.noise)
+  if validated or 2.5 * lv.se <= fall or z <= -TREND_Z:
+    return ""
+  lr = None if learning_rate is None else np.asarray(learning_rate, dtype=np.float64)
+  if lr is not None and lr.size and np.isfinite(lr).all():
+    evidence["peak_lr"] = peak = float(lr.max())
+    if peak < LOW_LR:
+      return (f"the learning rate peaked at {peak:.3g}, too low for the adapter to move (AdamW moves each "
+              f"weight by about the learning rate a step; LoRA typically trains at 1e-4 to 3e-4)")
+  return None
+
+
+def _mann_kendall_expected_z(n: int, fall: float, noise: float, max_points: int = 400) -> float:
+  """The Mann-Kendall z that a straight fall of `fall` over n points, with Gaussian noise of
+  std `noise`, is expected to give (0 for no fall, <= -3 when the test would usually see it).
+
+  With d = fall / (n - 1) a step, the pair k steps apart has x_j - x_i ~ N(-k d, 2 noise^2), so
+  E[sign(x_j - x_i)] = -erf(k d / (2 noise)), E[S] = -sum_k (n - k) erf(k d / (2 noise)), and the
+  expected z is E[S] / sd(S) (no continuity correction: a mean, not a test).
+  Beyond `max_points` the test reads block medians (`_mann_kendall_z`): fewer, quieter points.
+  """
+  if n > max_points:
+    noise *= math.sqrt(math.pi / 2 * max_points / n)  # a median of m Gaussian points: pi/2 sigma^2 / m
+    n = max_points
+  if n < 2:
+    return 0.0
+  k = np.arange(1, n)
+  d = fall / (n - 1)
+  s = -float(np.sum((n - k) * np.vectorize(math.erf)(k * d / (2 * max(noise, 1e-12)))))
+  var = n * (n - 1) * (2 * n + 5) / 18.0
+  return s / math.sqrt(var)
 
 
 def _finite_validation(val_steps, val_loss) -> tuple[np.ndarray, np.ndarray]:
@@ -534,7 +613,7 @@ def diagnose_run(run_dir: str | pathlib.Path) -> Diagnosis:
   return diagnose(m.train_steps, m.train_loss, val_steps=m.val_steps or None,
                   val_loss=m.val_loss or None, steps_per_epoch=m.steps_per_epoch,
                   grad_norm=m.train_grad_norm if len(m.train_grad_norm) == len(m.train_steps) else None,
-                  vocab_size=m.vocab_size)
+                  vocab_size=m.vocab_size, learning_rate=m.train_lr or None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -287,6 +287,7 @@ class MetricsLog:
   epoch_end_steps: list[int] = dataclasses.field(default_factory=list)
   train_grad_norm: list[float] = dataclasses.field(default_factory=list)  # per train step, when every line has it
   vocab_size: int | None = None  # the model's, from the config line (older runs did not log it)
+  train_lr: list[float] = dataclasses.field(default_factory=list)  # per train step, when every line has it
 
 
 def metrics_path(run_dir_or_file: str | os.PathLike) -> pathlib.Path:
@@ -338,6 +339,7 @@ def read_metrics(run_dir_or_file: str | os.PathLike) -> MetricsLog:
         "" if path.parent.is_dir() else f" ({path.parent} does not exist)"))
   train: dict[int, float] = {}
   grad_norm: dict[int, float] = {}
+  lr: dict[int, float] = {}
   val: dict[int, float] = {}
   epoch_ends: dict[int, int] = {}
   steps_per_epoch = vocab_size = None
@@ -357,6 +359,8 @@ def read_metrics(run_dir_or_file: str | os.PathLike) -> MetricsLog:
       train[step] = _number(obj, "loss", where)
       if "grad_norm" in obj:
         grad_norm[step] = _number(obj, "grad_norm", where)
+      if "lr" in obj:
+        lr[step] = _number(obj, "lr", where)
     if "val_loss" in obj:
       val[step] = _number(obj, "val_loss", where)
     if "epoch" in obj:
@@ -368,5 +372,6 @@ def read_metrics(run_dir_or_file: str | os.PathLike) -> MetricsLog:
   if steps_per_epoch is None and ends:
     steps_per_epoch = ends[0] - train_steps[0] + 1  # the first epoch's steps
   grads = [grad_norm[s] for s in train_steps] if all(s in grad_norm for s in train_steps) else []
+  lrs = [lr[s] for s in train_steps] if all(s in lr for s in train_steps) else []
   return MetricsLog(path, train_steps, [train[s] for s in train_steps], val_steps,
-                    [val[s] for s in val_steps], steps_per_epoch, ends, grads, vocab_size)
+                    [val[s] for s in val_steps], steps_per_epoch, ends, grads, vocab_size, lrs)

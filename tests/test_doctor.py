@@ -90,10 +90,23 @@ def flat_quiet(rng):
   return t, _noisy(rng, np.full(t.size, 1.9), 0.02), {}
 
 
-def flat_very_noisy(rng):
-  """Batch noise of 40% (few trained tokens per batch) and a model that does not change."""
+def too_noisy_to_tell(rng):
+  """Batch noise of 40% (few trained tokens per batch) and a model that does not change: 60 such
+  points would not show a fall of a quarter either, so the curve alone cannot say "flat"."""
   t = np.arange(1, 61)
   return t, _noisy(rng, np.full(t.size, 3.4), 0.4), {}
+
+
+def flat_very_noisy_validated(rng):
+  """The same, with a held-out loss (no batch noise) that did not move."""
+  t, loss, _ = too_noisy_to_tell(rng)
+  return t, loss, {"val_steps": [0, 30, 60], "val_loss": [3.4, 3.41, 3.39]}
+
+
+def flat_very_noisy_at_a_tiny_learning_rate(rng):
+  """The same, trained at 1e-7: AdamW cannot move the adapter far enough to matter."""
+  t, loss, _ = too_noisy_to_tell(rng)
+  return t, loss, {"learning_rate": np.full(t.size, 1e-7)}
 
 
 def diverging_rise(rng):
@@ -113,7 +126,8 @@ CASES = {
     "near_zero_early": [near_zero_in_first_epoch],
     "oscillating": [oscillating_spikes_that_decay, oscillating_alternating, oscillating_swings],
     "overfitting": [overfitting_validation_rises, overfitting_train_falls_then_rises],
-    "flat": [flat_noisy, flat_quiet, flat_very_noisy],
+    "flat": [flat_noisy, flat_quiet, flat_very_noisy_validated, flat_very_noisy_at_a_tiny_learning_rate],
+    "too_noisy": [too_noisy_to_tell],
     "diverging": [diverging_rise, diverging_nan],
 }
 
@@ -212,6 +226,7 @@ def test_load_metrics(tmp_path):
   assert m.train_steps == list(range(1, 81)) and np.allclose(m.train_loss, loss)
   assert m.val_steps == [10, 20, 85] and m.val_loss == [2.0, 1.5, 1.2]
   assert m.steps_per_epoch is None
+  assert m.train_lr == [1e-4] * 80 and m.train_grad_norm == [0.5] * 80
   assert read_metrics(run / "metrics.jsonl") == m
 
   # epoch length from the config line, or else from the first epoch-end line
@@ -319,7 +334,8 @@ def test_short_wild_run_above_the_uniform_level_is_diverging():
   assert high.evidence["uniform_level"] == pytest.approx(np.log(49152), abs=1e-6)
   near = doctor.diagnose(range(1, 9), SMOLLM2_LR_0_03, vocab_size=49152)  # ends at 1.06 ln V
   assert near.pattern == "diverging" and "uniform_level" in near.evidence, near.report()
-  low = doctor.diagnose(range(1, 9), SMOLLM2_LR_1E_7, vocab_size=49152, grad_norm=SMOLLM2_LR_1E_7_GRADS)
+  low = doctor.diagnose(range(1, 9), SMOLLM2_LR_1E_7, vocab_size=49152, grad_norm=SMOLLM2_LR_1E_7_GRADS,
+                        learning_rate=[1e-7] * 8)
   assert low.pattern == "flat", low.report()
   assert "uniform_level" not in low.evidence
   # the summary says which way the levels moved (2.887 -> 4.176 is a rise)
@@ -349,11 +365,51 @@ def test_the_run_folder_gives_the_doctor_its_vocabulary(tmp_path, run_cli):
 
 def test_a_gradient_norm_spike_without_a_trend_is_oscillating_not_flat():
   """lr 0.01: the loss went 2.05 -> 7.9 and back, the gradient norm 4.67 -> 33 (7x); from the
-  losses alone the eight points hold no trend and read as flat ("learning rate too low")."""
-  assert doctor.diagnose(range(1, 9), SMOLLM2_LR_0_01).pattern == "flat"
+  losses alone the eight points hold no trend, and too much noise to tell."""
+  assert doctor.diagnose(range(1, 9), SMOLLM2_LR_0_01, learning_rate=[0.01] * 8).pattern == "too_noisy"
   d = doctor.diagnose(range(1, 9), SMOLLM2_LR_0_01, grad_norm=SMOLLM2_LR_0_01_GRADS, vocab_size=49152)
   assert d.pattern == "oscillating" and "learning rate too high" in d.likely_cause, d.report()
   assert d.evidence["grad_norm_max_over_first"] == pytest.approx(33.28 / 4.67, rel=1e-4)
   # a model that does not change keeps its gradient norm (lr 1e-7: at most 1.4x the first step's)
-  d = doctor.diagnose(range(1, 9), SMOLLM2_LR_1E_7, grad_norm=SMOLLM2_LR_1E_7_GRADS)
+  d = doctor.diagnose(range(1, 9), SMOLLM2_LR_1E_7, grad_norm=SMOLLM2_LR_1E_7_GRADS, learning_rate=[1e-7] * 8)
   assert d.pattern == "flat" and d.evidence["grad_norm_max_over_first"] < 1.5, d.report()
+
+
+# The same settings at lr 3e-3 (cosine from 3e-3, no warmup): a rate that works (20 steps of it
+# fall from 2.05 to ~0.5), but 8 steps of ~10 trained tokens hold no significant trend.
+SMOLLM2_LR_3E_3 = [2.05, 2.764, 0.894, 1.485, 1.205, 2.444, 0.329, 1.188]
+SMOLLM2_LR_3E_3_GRADS = [4.67, 4.24, 6.59, 5.14, 3.31, 5.15, 1.99, 2.37]
+COSINE_3E_3 = [3e-3 * (1 + np.cos(np.pi * i / 8)) / 2 for i in range(8)]
+
+
+def test_a_short_noisy_run_at_a_working_rate_is_too_noisy_not_flat():
+  """Before, this curve read "flat" and the advice was to raise the learning rate."""
+  d = doctor.diagnose(range(1, 9), SMOLLM2_LR_3E_3, grad_norm=SMOLLM2_LR_3E_3_GRADS, vocab_size=49152,
+                      learning_rate=COSINE_3E_3)
+  assert d.pattern == "too_noisy", d.report()
+  assert "raise the learning rate" not in d.fix and "eval.eval_every" in d.fix
+  assert d.evidence["peak_lr"] == pytest.approx(3e-3) and -1 < d.evidence["detectable_fall_z"] < 0
+  assert "2.05 -> 1.188 (-42.0%)" in d.summary
+  # the same curve at 1e-7 is flat: the learning rate itself says the adapter cannot move
+  low = doctor.diagnose(range(1, 9), SMOLLM2_LR_3E_3, learning_rate=[1e-7] * 8)
+  assert low.pattern == "flat" and "peaked at 1e-07" in low.summary, low.report()
+  # a held-out loss that moved by under 10% (before step 1 and at the end) says the model is still
+  still = doctor.diagnose(range(1, 9), SMOLLM2_LR_3E_3, learning_rate=COSINE_3E_3, val_steps=[0, 8],
+                          val_loss=[1.30, 1.28])
+  assert still.pattern == "flat", still.report()
+  # and one that fell says it learned
+  learned = doctor.diagnose(range(1, 9), SMOLLM2_LR_3E_3, learning_rate=COSINE_3E_3, val_steps=[0, 8],
+                            val_loss=[1.30, 0.96])
+  assert learned.pattern == "healthy", learned.report()
+
+
+def test_the_expected_mann_kendall_z_of_a_straight_fall():
+  """Against simulation: straight falls in Gaussian noise, the mean z over 2000 draws (its standard
+  error ~0.02)."""
+  rng = np.random.default_rng(0)
+  for n, fall, noise in [(8, 0.5, 0.7), (60, 0.85, 1.36), (80, 0.6, 0.29)]:
+    t = np.arange(n)
+    simulated = np.mean([doctor._mann_kendall_z(-fall * t / (n - 1) + noise * rng.standard_normal(n))
+                         for _ in range(2000)])
+    assert doctor._mann_kendall_expected_z(n, fall, noise) == pytest.approx(simulated, abs=0.1)
+  assert doctor._mann_kendall_expected_z(50, 0.0, 1.0) == 0.0
