@@ -279,6 +279,7 @@ def diagnose(train_steps: Sequence[float], train_loss: Sequence[float], *,
   if isinstance(curve, Diagnosis):
     return curve
   steps, loss, grads, evidence = curve
+  vs, vl = _finite_validation(val_steps, val_loss)
   if loss.size < MIN_POINTS:
     return _make("too_short", f"only {loss.size} finite training losses", evidence)
   collapsed = _collapsed(loss, grads, evidence)
@@ -291,11 +292,11 @@ def diagnose(train_steps: Sequence[float], train_loss: Sequence[float], *,
   worse_than_uniform = _above_uniform(loss, lv.last, vocab_size, evidence)
   if worse_than_uniform is not None:
     return worse_than_uniform
-  near_zero = _near_zero_early(steps, lv.s, lv.first, steps_per_epoch, val_steps, val_loss, evidence)
+  near_zero = _near_zero_early(steps, lv.s, lv.first, steps_per_epoch, vl, evidence)
   if near_zero is not None:
     return near_zero
-  overfit = _validation_overfit(steps, lv.s, val_steps, val_loss, evidence)
-  worse = _made_worse(loss, lv.last, val_steps, val_loss, evidence)
+  overfit = _validation_overfit(steps, lv.s, vs, vl, evidence)
+  worse = _made_worse(loss, lv.last, vl, evidence)
   if worse is not None:
     return worse
   if overfit:
@@ -303,7 +304,7 @@ def diagnose(train_steps: Sequence[float], train_loss: Sequence[float], *,
   rebound = _rebound(steps, lv, evidence)
   if rebound is not None:
     return rebound
-  return _trend(loss, grads, lv, val_steps, val_loss, learning_rate, evidence)
+  return _trend(loss, grads, lv, vl, learning_rate, evidence)
 
 
 def _finite_curve(train_steps: Sequence[float], train_loss: Sequence[float], grad_norm: Sequence[float] | None
@@ -377,16 +378,13 @@ def _rebound(steps: np.ndarray, lv: _Levels, evidence: dict[str, Any]) -> Diagno
                "its fall)", evidence)
 
 
-def _trend(loss: np.ndarray, grads: np.ndarray | None, lv: _Levels, val_steps: Sequence[float] | None,
-           val_loss: Sequence[float] | None, learning_rate: Sequence[float] | None,
-           evidence: dict[str, Any]) -> Diagnosis:
+def _trend(loss: np.ndarray, grads: np.ndarray | None, lv: _Levels, vl: np.ndarray,
+           learning_rate: Sequence[float] | None, evidence: dict[str, Any]) -> Diagnosis:
   """Healthy (leveled off or still falling) after a significant fall, else `_without_trend`."""
   # A trend: 10% lower at the end, and significant by the end medians, by Mann-Kendall over
   # every point, or by the (low-noise) validation loss: two points are enough, the same held-out
   # set before and after.
-  val_drop, vl = None, np.empty(0)
-  if val_steps is not None and val_loss is not None:
-    _, vl = _finite_validation(val_steps, val_loss)
+  val_drop = None
   if vl.size >= 2:
     evidence["val_rel_drop"] = val_drop = (vl[0] - vl[-1]) / max(abs(vl[0]), 1e-12)
   significant = lv.drop >= 2.5 * lv.se or lv.z <= -TREND_Z or (val_drop is not None and val_drop >= FLAT_REL_DROP)
@@ -442,7 +440,7 @@ def _above_uniform(loss: np.ndarray, last: float, vocab_size: int | None,
 
 
 def _near_zero_early(steps: np.ndarray, s: np.ndarray, first: float, steps_per_epoch: int | None,
-                     val_steps, val_loss, evidence: dict[str, Any]) -> Diagnosis | None:
+                     vl: np.ndarray, evidence: dict[str, Any]) -> Diagnosis | None:
   """"near_zero_early" when the smoothed loss fell below NEAR_ZERO within the first epoch (the
   first half of the run when the epoch is unknown) and validation does not confirm it."""
   if steps_per_epoch:
@@ -456,7 +454,7 @@ def _near_zero_early(steps: np.ndarray, s: np.ndarray, first: float, steps_per_e
   evidence["near_zero_step"] = int(steps[below[0]])
   # Memorizing (or too high a rate) leaves the held-out loss behind; when it fell to its best
   # at the end as well, the task is simply learned (replies a program could write).
-  confirmed = _validation_keeps_falling(val_steps, val_loss)
+  confirmed = _validation_keeps_falling(vl)
   evidence["near_zero_confirmed_by_validation"] = confirmed
   if not (steps[below[0]] <= early_end and not confirmed):
     return None
@@ -465,15 +463,12 @@ def _near_zero_early(steps: np.ndarray, s: np.ndarray, first: float, steps_per_e
                f"{int(steps[below[0]])}, within {when}", evidence)
 
 
-def _made_worse(loss: np.ndarray, last: float, val_steps, val_loss, evidence: dict[str, Any]) -> Diagnosis | None:
+def _made_worse(loss: np.ndarray, last: float, vl: np.ndarray, evidence: dict[str, Any]) -> Diagnosis | None:
   """"diverging" when worse on both sides: the held-out loss ends above its first value (the base
   model's, logged before step 1) and the training loss above its very first step. Overfitting needs
   the training loss to have improved; an early blow-up that the start median absorbed does not.
   Two validation points are enough (a run that validates only before step 1 and at the end): the
   held-out set is the same each time, so its change is the model's, not a batch's."""
-  if val_steps is None or val_loss is None:
-    return None
-  _, vl = _finite_validation(val_steps, val_loss)
   if vl.size < 2:
     return None
   val_first, val_last = float(vl[0]), float(vl[-1])
@@ -563,7 +558,9 @@ def _mann_kendall_expected_z(n: int, fall: float, noise: float, max_points: int 
 
 
 def _finite_validation(val_steps, val_loss) -> tuple[np.ndarray, np.ndarray]:
-  """The finite validation points, in step order."""
+  """The finite validation points (steps, losses) in step order; empty without validation."""
+  if val_steps is None or val_loss is None:
+    return np.empty(0), np.empty(0)
   vs = np.asarray(val_steps, dtype=np.float64).reshape(-1)
   vl = np.asarray(val_loss, dtype=np.float64).reshape(-1)
   if vs.shape != vl.shape:
@@ -573,21 +570,15 @@ def _finite_validation(val_steps, val_loss) -> tuple[np.ndarray, np.ndarray]:
   return vs[keep][order], vl[keep][order]
 
 
-def _validation_keeps_falling(val_steps, val_loss) -> bool:
+def _validation_keeps_falling(vl: np.ndarray) -> bool:
   """At least two finite validation points, the last one the lowest and at most
   (1 - NEAR_ZERO_VAL_DROP) of the first."""
-  if val_steps is None or val_loss is None:
-    return False
-  _, vl = _finite_validation(val_steps, val_loss)
   return bool(vl.size >= 2 and vl[-1] <= vl.min() and vl[-1] <= (1 - NEAR_ZERO_VAL_DROP) * vl[0])
 
 
-def _validation_overfit(steps: np.ndarray, s: np.ndarray, val_steps, val_loss,
+def _validation_overfit(steps: np.ndarray, s: np.ndarray, vs: np.ndarray, vl: np.ndarray,
                         evidence: dict[str, Any]) -> str | None:
   """A summary when validation rose from its minimum while train did not rise, else None."""
-  if val_steps is None or val_loss is None:
-    return None
-  vs, vl = _finite_validation(val_steps, val_loss)
   if vl.size < 3:
     return None
   j = int(np.argmin(vl))
