@@ -188,6 +188,8 @@ def test_too_short_and_bad_shapes():
   assert doctor.diagnose([1, 2, 3], [2.0, 1.5, 1.2]).pattern == "too_short"
   with pytest.raises(ValueError, match="3 train steps but 2"):
     doctor.diagnose([1, 2, 3], [1.0, 2.0])
+  with pytest.raises(ValueError, match="2 validation steps but 1"):  # however short the curve
+    doctor.diagnose([1, 2, 3], [2.0, 1.5, 1.2], val_steps=[0, 3], val_loss=[2.1])
 
 
 def test_evidence_is_json_serializable():
