@@ -96,7 +96,7 @@ warmup, 38 steps, healthy) peaked at 1.7x its first gradient norm.
 Calibration of DETECT_REL_DROP: runs that work fall by far more than a quarter (the default run
 99%; 20 steps of the real-run test's settings at lr 3e-3 from 2.05 to ~0.5), yet 8 steps of those
 settings at lr 3e-3 (batch noise 58% of the level) fall 42% without a significant trend: their
-expected Mann-Kendall z for a 25% fall is about -0.5, so the curve cannot tell a working run from a
+expected Mann-Kendall z for a 25% fall is about -0.6, so the curve cannot tell a working run from a
 still one, and its old verdict, "flat", told the user to raise a learning rate that was fine.
 
 Calibration: real LoRA runs (r=8, q/v) of SmolLM2-135M-Instruct on the default dataset
@@ -487,35 +487,33 @@ def _without_trend(loss: np.ndarray, grads: np.ndarray | None, lv: _Levels, vali
   shows the model still (`_shows_still`), else "too_noisy"."""
   n, first, last, noise_rel = loss.size, lv.first, lv.last, lv.noise_rel
   change = -evidence["rel_drop"]  # (last - first) / first: + for a rise
+  no_trend = f"no significant trend: {first:.4g} -> {last:.4g} ({change:+.1%})"
   rho = _lag1_autocorrelation(loss)
   evidence["lag1_autocorrelation"] = rho
   limit = max(SWING_AUTOCORR, 2.5 / math.sqrt(n))
   if abs(rho) >= limit or noise_rel >= WILD_NOISE_REL:
     kind = ("alternating up and down from step to step" if rho <= -limit else
-            "persistent swings" if rho >= limit else f"step-to-step noise of {noise_rel:.0%}")
-    return _make("oscillating", f"no significant trend ({change:+.1%} change) but {kind} "
-                 f"(lag-1 autocorrelation {rho:+.2f}, noise {noise_rel:.0%} of the level)", evidence)
+            "persistent swings" if rho >= limit else "wild step-to-step noise")
+    return _make("oscillating", f"{no_trend}, but {kind} (lag-1 autocorrelation {rho:+.2f}, noise "
+                 f"{noise_rel:.0%} of the level)", evidence)
   if grads is not None and grads.size == n and grads[0] > 0:
     k = int(np.argmax(grads))
     evidence["grad_norm_max_over_first"] = spike = float(grads[k] / grads[0])
     if spike >= GRAD_SPIKE:
-      return _make("oscillating", f"no significant trend ({change:+.1%} change), but the updates threw the "
-                   f"model about: the gradient norm rose to {spike:.1f}x its first step's ({grads[0]:.3g} -> "
-                   f"{grads[k]:.3g}) and the loss as high as {float(loss.max()):.4g} (first step "
-                   f"{float(loss[0]):.4g})", evidence)
+      return _make("oscillating", f"{no_trend}, but the updates threw the model about: the gradient norm rose "
+                   f"to {spike:.1f}x its first step's ({grads[0]:.3g} -> {grads[k]:.3g}) and the loss as high as "
+                   f"{float(loss.max()):.4g} (first step {float(loss[0]):.4g})", evidence)
   still = _shows_still(lv, validated, learning_rate, evidence)
   if still is None:
-    return _make("too_noisy", f"no significant trend: {first:.4g} -> {last:.4g} ({change:+.1%}), but {n} losses "
-                 f"with batch-to-batch noise of {noise_rel:.0%} of the level could not show one: a straight "
-                 f"{DETECT_REL_DROP:.0%} fall would give a Mann-Kendall z of about "
-                 f"{evidence['detectable_fall_z']:.2g} (a trend needs {-TREND_Z:.3g})", evidence)
+    return _make("too_noisy", f"{no_trend}, but {n} losses with batch-to-batch noise of {noise_rel:.0%} of the "
+                 f"level could not show one: a straight {DETECT_REL_DROP:.0%} fall would give a Mann-Kendall z of "
+                 f"about {evidence['detectable_fall_z']:.2g} (a trend needs {-TREND_Z:.3g})", evidence)
   if still:
-    return _make("flat", f"no significant trend: {first:.4g} -> {last:.4g} ({change:+.1%}), and {still}", evidence)
+    return _make("flat", f"{no_trend}, and {still}", evidence)
   if abs(change) < FLAT_REL_DROP:
     return _make("flat", f"the loss barely moved: {first:.4g} -> {last:.4g} ({change:+.1%}); "
                  "what varies looks like batch-to-batch noise", evidence)
-  return _make("flat", f"no significant trend: {first:.4g} -> {last:.4g} ({change:+.1%}) is within what "
-               "batch-to-batch noise moves these levels", evidence)
+  return _make("flat", f"{no_trend} is within what batch-to-batch noise moves these levels", evidence)
 
 
 def _shows_still(lv: _Levels, validated: bool, learning_rate: Sequence[float] | None,
