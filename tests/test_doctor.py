@@ -415,3 +415,25 @@ def test_the_expected_mann_kendall_z_of_a_straight_fall():
                          for _ in range(2000)])
     assert doctor._mann_kendall_expected_z(n, fall, noise) == pytest.approx(simulated, abs=0.1)
   assert doctor._mann_kendall_expected_z(50, 0.0, 1.0) == 0.0
+
+
+# 20 steps of those settings (cosine over 20 steps): at lr 1e-3 the loss fell from 2.05 to ~0.3, in
+# batches of ~10 trained tokens; at lr 0.01 it jumped to 10 and wandered.
+SMOLLM2_20_STEPS_LR_1E_3 = [2.05, 3.171, 1.49, 1.03, 0.912, 2.737, 0.216, 1.669, 0.903, 1.607, 2.094, 0.061, 1.216,
+                            0.078, 0.246, 0.577, 1.415, 0.131, 0.325, 0.906]
+SMOLLM2_20_STEPS_LR_0_01 = [2.05, 2.618, 3.212, 9.249, 10.396, 7.99, 2.602, 4.634, 7.991, 6.883, 3.104, 5.992, 2.957,
+                            5.397, 5.215, 3.876, 3.876, 1.398, 0.685, 6.754]
+
+
+def test_noise_is_wild_against_the_higher_level_not_a_loss_near_zero():
+  """lr 1e-3's batch noise (~0.7 nats) is over twice the level the loss fell to, but a third of where it
+  started: against the end level it read "oscillating", whose advice is to lower a learning rate that works."""
+  def cosine(lr):
+    return [lr * (1 + np.cos(np.pi * i / 20)) / 2 for i in range(20)]
+
+  d = doctor.diagnose(range(1, 21), SMOLLM2_20_STEPS_LR_1E_3, learning_rate=cosine(1e-3), vocab_size=49152)
+  assert d.pattern == "too_noisy", d.report()
+  assert d.evidence["noise_rel"] == pytest.approx(d.evidence["noise"] / d.evidence["first_level"], rel=1e-3)
+  assert d.evidence["noise"] > 2 * d.evidence["last_level"]
+  wild = doctor.diagnose(range(1, 21), SMOLLM2_20_STEPS_LR_0_01, learning_rate=cosine(0.01), vocab_size=49152)
+  assert wild.pattern == "oscillating" and wild.evidence["noise_rel"] >= doctor.WILD_NOISE_REL, wild.report()
