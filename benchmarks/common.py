@@ -110,10 +110,12 @@ def peak_rss_mib() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def write_results(stem: str, result: dict, markdown: str) -> None:
-  RESULTS.mkdir(parents=True, exist_ok=True)
-  (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2, default=_jsonable) + "\n")
-  (RESULTS / f"{stem}.md").write_text(markdown)
+def write_results(stem: str, result: dict, markdown: str, *, results_dir: pathlib.Path | None = None) -> None:
+  """`<stem>.json` and `<stem>.md` in `results_dir` (default: benchmarks/results)."""
+  results_dir = RESULTS if results_dir is None else results_dir
+  results_dir.mkdir(parents=True, exist_ok=True)
+  (results_dir / f"{stem}.json").write_text(json.dumps(result, indent=2, default=_jsonable) + "\n")
+  (results_dir / f"{stem}.md").write_text(markdown)
 
 
 def _jsonable(x):
