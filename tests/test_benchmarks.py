@@ -333,21 +333,16 @@ def test_peers_read_the_rope_base_where_each_transformers_writes_it():
 
 
 @pytest.mark.slow
-def test_doctor_sweep_trains_and_diagnoses_each_learning_rate(tmp_path, tiny_dir, small_data):
-  """Two 8-step runs of the tiny model: a row each, with the losses the verdict came from."""
+def test_doctor_sweep_trains_and_diagnoses_a_learning_rate(tmp_path, tiny_dir, small_data):
+  """One 8-step run of the tiny model (each rate is the same call): its row, with the losses, gradient
+  norms and validation the verdict came from."""
   from benchmarks import doctor_sweep
 
-  code = doctor_sweep.main(["--lrs", "1e-7", "1e-2", "--model", str(tiny_dir), "--data", str(small_data),
+  code = doctor_sweep.main(["--lrs", "1e-7", "--model", str(tiny_dir), "--data", str(small_data),
                             "--tokens-per-batch", "256", "--results-dir", str(tmp_path), "--suffix", "_tiny"])
   assert code == 0
-  result = json.loads((tmp_path / "doctor_sweep_tiny.json").read_text())
-  low, high = result["runs"]
-  assert [low["lr"], high["lr"]] == ["1e-7", "1e-2"]
-  for row in (low, high):
-    assert row["status"] == "ok" and len(row["loss"]) == 8 and len(row["grad_norm"]) == 8
-    assert row["validation"] and row["evidence"]["n_points"] == 8
-  assert low["loss"][0] == high["loss"][0]  # the same first batch, before any update
-  assert low["pattern"] == "flat", low  # a random model's loss sits at ln V, with little batch noise
-  text = (tmp_path / "doctor_sweep_tiny.md").read_text()
-  assert f"| 1e-7 | **{low['pattern']}** |" in text and f"| 1e-2 | **{high['pattern']}** |" in text
-
+  (row,) = json.loads((tmp_path / "doctor_sweep_tiny.json").read_text())["runs"]
+  assert row["lr"] == "1e-7" and row["status"] == "ok" and row["evidence"]["n_points"] == 8
+  assert len(row["loss"]) == 8 and len(row["grad_norm"]) == 8 and row["validation"]
+  assert row["pattern"] == "flat", row  # a random model's loss sits at ln V, with little batch noise
+  assert "| 1e-7 | **flat** |" in (tmp_path / "doctor_sweep_tiny.md").read_text()
