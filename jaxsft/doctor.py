@@ -494,7 +494,7 @@ def _without_trend(loss: np.ndarray, grads: np.ndarray | None, lv: _Levels, vali
                    learning_rate: Sequence[float] | None, evidence: dict[str, Any]) -> Diagnosis:
   """"oscillating" when the steps swing together (|lag-1 autocorrelation| above what noise
   gives for n points), the noise is wild or the gradient norm spiked; else "flat" when something
-  shows the model still (`_shows_still`), else "too_noisy"."""
+  shows the model still (`_could_show_a_fall`, or a learning rate under LOW_LR), else "too_noisy"."""
   n, first, last, noise_rel = loss.size, lv.first, lv.last, lv.noise_rel
   change = -evidence["rel_drop"]  # (last - first) / first: + for a rise
   no_trend = f"no significant trend: {first:.4g} -> {last:.4g} ({change:+.1%})"
@@ -513,35 +513,36 @@ def _without_trend(loss: np.ndarray, grads: np.ndarray | None, lv: _Levels, vali
       return _make("oscillating", f"{no_trend}, but the updates threw the model about: the gradient norm rose "
                    f"to {spike:.1f}x its first step's ({grads[0]:.3g} -> {grads[k]:.3g}) and the loss as high as "
                    f"{float(loss.max()):.4g} (first step {float(loss[0]):.4g})", evidence)
-  still = _shows_still(lv, validated, learning_rate, evidence)
-  if still is None:
-    return _make("too_noisy", f"{no_trend}, but {n} losses with batch-to-batch noise of {noise_rel:.0%} of the "
-                 f"level could not show one: a straight {DETECT_REL_DROP:.0%} fall would give a Mann-Kendall z of "
-                 f"about {evidence['detectable_fall_z']:.2g} (a trend needs {-TREND_Z:.3g})", evidence)
-  if still:
-    return _make("flat", f"{no_trend}, and {still}", evidence)
+  if not _could_show_a_fall(lv, validated, evidence):
+    peak = _peak_lr(learning_rate, evidence)
+    if peak is None or peak >= LOW_LR:
+      return _make("too_noisy", f"{no_trend}, but {n} losses with batch-to-batch noise of {noise_rel:.0%} of the "
+                   f"level could not show one: a straight {DETECT_REL_DROP:.0%} fall would give a Mann-Kendall z "
+                   f"of about {evidence['detectable_fall_z']:.2g} (a trend needs {-TREND_Z:.3g})", evidence)
+    return _make("flat", f"{no_trend}, and the learning rate peaked at {peak:.3g}, too low for the adapter to move "
+                 "(AdamW moves each weight by about the learning rate a step; LoRA typically trains at 1e-4 to "
+                 "3e-4)", evidence)
   if abs(change) < FLAT_REL_DROP:
     return _make("flat", f"the loss barely moved: {first:.4g} -> {last:.4g} ({change:+.1%}); "
                  "what varies looks like batch-to-batch noise", evidence)
   return _make("flat", f"{no_trend} is within what batch-to-batch noise moves these levels", evidence)
 
 
-def _shows_still(lv: _Levels, validated: bool, learning_rate: Sequence[float] | None,
-                 evidence: dict[str, Any]) -> str | None:
-  """Why a curve without a trend is "flat" rather than "too_noisy": "" when validation or the curve
-  itself could have shown a fall of DETECT_REL_DROP, a sentence when the learning rate is too low for
-  the adapter to move, None when nothing tells (see the module docstring)."""
+def _could_show_a_fall(lv: _Levels, validated: bool, evidence: dict[str, Any]) -> bool:
+  """Whether validation or the curve itself would have shown a fall of DETECT_REL_DROP (see the
+  module docstring): then no trend means a still model, "flat"."""
   fall = DETECT_REL_DROP * lv.scale
   evidence["detectable_fall_z"] = z = _mann_kendall_expected_z(lv.n, fall, lv.noise)
-  if validated or 2.5 * lv.se <= fall or z <= -TREND_Z:
-    return ""
+  return validated or 2.5 * lv.se <= fall or z <= -TREND_Z
+
+
+def _peak_lr(learning_rate: Sequence[float] | None, evidence: dict[str, Any]) -> float | None:
+  """The largest logged learning rate (None when not every step logged a finite one)."""
   lr = None if learning_rate is None else np.asarray(learning_rate, dtype=np.float64)
-  if lr is not None and lr.size and np.isfinite(lr).all():
-    evidence["peak_lr"] = peak = float(lr.max())
-    if peak < LOW_LR:
-      return (f"the learning rate peaked at {peak:.3g}, too low for the adapter to move (AdamW moves each "
-              f"weight by about the learning rate a step; LoRA typically trains at 1e-4 to 3e-4)")
-  return None
+  if lr is None or not lr.size or not np.isfinite(lr).all():
+    return None
+  evidence["peak_lr"] = peak = float(lr.max())
+  return peak
 
 
 def _mann_kendall_expected_z(n: int, fall: float, noise: float, max_points: int = 400) -> float:
