@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxsft.labels import IGNORE_INDEX  # re-exported: jaxsft.loss.IGNORE_INDEX
+from jaxsft.matmul import matmul, matmul_t
 
 
 def _shift(logits_or_hidden: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -154,7 +155,7 @@ def chunked_cross_entropy_sum(hidden: jax.Array, embedding: jax.Array, labels: j
   @jax.checkpoint
   def chunk_nll(h, y):
     # Logits in the compute dtype exactly like the model's LM head; upcast in _token_nll.
-    nll, valid = _token_nll(h @ embedding.T, y)
+    nll, valid = _token_nll(matmul_t(h, embedding), y)
     return nll.sum(), valid.sum(dtype=jnp.int32)
 
   def body(carry, xs):
@@ -175,7 +176,7 @@ def _chunk_nll_and_grads(h: jax.Array, embedding: jax.Array, y: jax.Array, *, gr
     ∂nll/∂h = (∂nll/∂z) E,   ∂nll/∂E = (∂nll/∂z)ᵀ h
   (the gradient in the compute dtype, like autodiff of `h @ E.T` would give).
   """
-  logits = h @ embedding.T  # in the compute dtype, exactly like the model's LM head
+  logits = matmul_t(h, embedding)  # in the compute dtype, exactly like the model's LM head
   z = logits.astype(jnp.float32)
   valid = y != IGNORE_INDEX
   safe_targets = jnp.where(valid, y, 0)
@@ -186,8 +187,8 @@ def _chunk_nll_and_grads(h: jax.Array, embedding: jax.Array, y: jax.Array, *, gr
     return nll, None, None
   one_hot = jnp.arange(z.shape[-1])[None, :] == safe_targets[:, None]
   dz = jnp.where(valid[:, None], jnp.exp(z - lse[:, None]) - one_hot, 0.0).astype(h.dtype)
-  dh = dz @ embedding if grad_hidden else None
-  de = dz.T @ h if grad_embedding else None
+  dh = matmul(dz, embedding) if grad_hidden else None
+  de = matmul(dz.T, h) if grad_embedding else None
   return nll, dh, de
 
 

@@ -73,7 +73,7 @@ def test_only_lora_params_are_trainable_and_stay_float32_on_bf16():
   leaves = jax.tree.leaves(grads)
   assert len(leaves) == 4  # q and v, A and B
   assert all(leaf.dtype == jnp.float32 for leaf in leaves)
-  assert m(x).dtype == jnp.bfloat16 and value.dtype == jnp.float32
+  assert m(x).dtype == m.activation_dtype and value.dtype == jnp.float32
   g_b = grads["layers"]["self_attn"]["q_proj"]["lora_b"][...]
   g_a = grads["layers"]["self_attn"]["q_proj"]["lora_a"][...]
   assert np.abs(np.asarray(g_b)).max() > 0 and np.all(np.asarray(g_a) == 0)  # B = 0 at init

@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxsft import matmul as matmul_lib
+from jaxsft.matmul import matmul, matmul_t
 from jaxsft.models.attention import (ATTENTION, ATTENTION_RESIDUALS, KVCache, attention_mask_4d,
                                      cache_attention_mask, self_attention)
 from jaxsft.models.families import LlamaConfig
@@ -50,11 +52,23 @@ def resolve_dtype(dtype) -> jnp.dtype:
   return jnp.dtype(dtype)
 
 
+def activation_dtype(dtype) -> jnp.dtype:
+  """The dtype of the activations between the weight products, for weights in `dtype`: the
+  same, except 16-bit weights on a CPU, whose activations stay float32 (XLA's CPU backend computes
+  16-bit elementwise ops in float32 anyway, converting at every op; the products round their
+  operands to 16 bits and run on the CPU's 16-bit kernels, see `jaxsft.matmul`)."""
+  dtype = jnp.dtype(dtype)
+  if dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and jax.default_backend() == "cpu":
+    return jnp.dtype(jnp.float32)
+  return dtype
+
+
 # ---------------------------------------------------------------------------------------------
 # What each layer keeps for the backward pass (`CausalLM(remat=...)`, `model.remat`).
 
 _policies = jax.checkpoint_policies
-_keep_attention = _policies.save_only_these_names(*ATTENTION_RESIDUALS)
+# 16-bit products on a CPU are a custom_vjp (jaxsft.matmul), kept by name, not as dots
+_keep_attention = _policies.save_only_these_names(*ATTENTION_RESIDUALS, matmul_lib.PRODUCT)
 REMAT_POLICIES: dict[str, Callable | None] = {
     "full": None,  # save nothing: recompute the whole layer in the backward pass
     "dots": _policies.save_from_both_policies(_policies.dots_saveable, _keep_attention),
@@ -108,7 +122,7 @@ class Linear(nnx.Module):
   """y = x @ kernel (+ bias) (+ scale * dropout(x) @ lora_a @ lora_b).
 
   LoRA factors are `nnx.LoRAParam`s set by `jaxsft.lora.apply_lora` (None when absent); they
-  stay float32 and are cast to the compute dtype at use, like PEFT's autocast of adapters.
+  stay float32 and are cast to the activations' dtype at use, like PEFT's autocast of adapters.
   """
 
   def __init__(self, in_features: int, out_features: int, *, bias: bool, stack: tuple[int, ...],
@@ -116,6 +130,7 @@ class Linear(nnx.Module):
     init = nnx.initializers.normal(0.02)
     self.kernel = nnx.Param(init(rngs.params(), (*stack, in_features, out_features), dtype))
     self.bias = nnx.Param(jnp.zeros((*stack, out_features), dtype)) if bias else None
+    self.dtype = jnp.dtype(dtype)  # a quantized kernel is dequantized to it
     # data (not static) attributes: `apply_lora` later puts LoRAParams here
     self.lora_a: nnx.LoRAParam | None = nnx.data(None)
     self.lora_b: nnx.LoRAParam | None = nnx.data(None)
@@ -124,9 +139,9 @@ class Linear(nnx.Module):
     self.rng_index = rng_index  # folds the layer's dropout key into a per-projection key
 
   def __call__(self, x: jax.Array, dropout_rng: jax.Array | None = None) -> jax.Array:
-    y = x @ kernel_value(self.kernel, x.dtype)  # a quantized base is dequantized here (jaxsft.quant)
+    y = matmul(x, kernel_value(self.kernel, self.dtype))  # a quantized base is dequantized here (jaxsft.quant)
     if self.bias is not None:
-      y = y + self.bias[...]
+      y = y + self.bias[...].astype(y.dtype)
     if self.lora_a is not None:
       lora_x = x
       if dropout_rng is not None and self.lora_dropout > 0.0:
@@ -311,11 +326,12 @@ def _variants(values: tuple) -> tuple[tuple, tuple[int, ...] | None]:
 
 class CausalLM(nnx.Module):
   """Decoder-only causal LM of any supported family (`jaxsft.models.families`).
-  `model(input_ids, ...) -> logits (B, T, V)` in the compute dtype.
+  `model(input_ids, ...) -> logits (B, T, V)` in the activation dtype (`activation_dtype`).
 
   Args:
     config: the architecture.
-    dtype: parameter and compute dtype (float32, bfloat16, or "auto": see `resolve_dtype`).
+    dtype: parameter and compute dtype (float32, bfloat16, or "auto": see `resolve_dtype`); on a
+      CPU, 16-bit weights keep float32 activations between the products (`activation_dtype`).
       LoRA params stay float32.
     attention: "xla" (causal self-attention by `self_attention`: head-major query blocks that
       skip the keys above the diagonal, cuDNN on a GPU in 16-bit; with a KV cache
@@ -341,6 +357,7 @@ class CausalLM(nnx.Module):
     dtype = resolve_dtype(dtype)
     self.config = config
     self.dtype = dtype
+    self.activation_dtype = activation_dtype(dtype)
     self.remat = remat
     self.windows, self.window_index = _variants(config.layer_windows())
     self.rope_kinds, self.rope_index = _variants(config.layer_rope_kinds())
@@ -359,7 +376,7 @@ class CausalLM(nnx.Module):
 
   def hidden_states(self, input_ids, attention_mask=None, positions=None, segment_ids=None, *,
                     dropout_rng=None) -> jax.Array:
-    """Final-normed hidden states (B, T, H) in the compute dtype."""
+    """Final-normed hidden states (B, T, H) in the activation dtype."""
     input_ids = jnp.asarray(input_ids)
     b, t = input_ids.shape
     if positions is None:
@@ -369,10 +386,10 @@ class CausalLM(nnx.Module):
     return h
 
   def init_cache(self, batch_size: int, num_slots: int) -> KVCache:
-    """An empty (zero) cache of `num_slots` slots for every layer, in the compute dtype."""
+    """An empty (zero) cache of `num_slots` slots for every layer, in the activation dtype."""
     cfg = self.config
     shape = (cfg.num_layers, batch_size, num_slots, cfg.num_kv_heads, cfg.head_dim)
-    return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+    return KVCache(jnp.zeros(shape, self.activation_dtype), jnp.zeros(shape, self.activation_dtype))
 
   def cached_hidden_states(self, input_ids, positions, cache: KVCache, cache_start,
                            key_mask) -> tuple[jax.Array, KVCache]:
@@ -388,10 +405,10 @@ class CausalLM(nnx.Module):
     return self._decoder(input_ids, positions, masks, cache=cache, cache_start=cache_start)
 
   def embed(self, input_ids) -> jax.Array:
-    """Input embeddings (B, T, H); Gemma scales them by √hidden (in the compute dtype, as HF)."""
-    h = table_rows(self.embed_tokens, jnp.asarray(input_ids), self.dtype)
-    if self.config.scale_embeddings:
-      h = h * jnp.asarray(self.config.hidden_size ** 0.5, jnp.float32).astype(h.dtype)
+    """Input embeddings (B, T, H) in the activation dtype; Gemma scales them by √hidden."""
+    h = table_rows(self.embed_tokens, jnp.asarray(input_ids), self.dtype).astype(self.activation_dtype)
+    if self.config.scale_embeddings:  # the scale rounded to the weights' dtype, as HF's
+      h = h * jnp.asarray(self.config.hidden_size ** 0.5, jnp.float32).astype(self.dtype).astype(h.dtype)
     return h
 
   def _decoder(self, input_ids, positions, masks, *, dropout_rng=None, cache: KVCache | None = None,
@@ -401,7 +418,8 @@ class CausalLM(nnx.Module):
     `masks` holds one mask per distinct window (`self.windows`); with several, each layer picks
     its own by a scanned index, and so with RoPE tables (`self.rope_kinds`)."""
     positions = jnp.asarray(positions)
-    tables = [rope_tables(positions, rope_inv_freq(self.config, kind), self.dtype, rotary_dim=self.config.rotary_dim)
+    tables = [rope_tables(positions, rope_inv_freq(self.config, kind), self.activation_dtype,
+                          rotary_dim=self.config.rotary_dim)
               for kind in self.rope_kinds]
     h = self.embed(input_ids)
 
@@ -430,9 +448,9 @@ class CausalLM(nnx.Module):
 
   def __call__(self, input_ids, attention_mask=None, positions=None, segment_ids=None, *,
                dropout_rng=None) -> jax.Array:
-    """Logits (B, T, V) in the compute dtype (the loss upcasts to float32)."""
+    """Logits (B, T, V) in the activation dtype (the loss upcasts to float32)."""
     h = self.hidden_states(input_ids, attention_mask, positions, segment_ids, dropout_rng=dropout_rng)
-    return h @ self.output_embedding().T
+    return matmul_t(h, self.output_embedding())
 
 
 Llama = CausalLM

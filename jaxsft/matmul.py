@@ -1,0 +1,168 @@
+"""The model's weight products, written in the forms a CPU runs fastest in 16-bit.
+
+    matmul(x, w)      y = x w      x (..., k), w (k, n)   (a projection: the kernel is (in, out))
+    matmul_t(x, w)    y = x wᵀ     x (..., k), w (n, k)   (the LM head: the embedding is (V, H))
+
+In float32, and on a GPU or TPU, both are the plain products. In bfloat16 (or float16) on a CPU
+they accumulate in float32 and round the result once to the input dtype,
+
+    y = round₁₆(Σ_k x_k · w_k  in float32),
+
+which is what XLA computes for a 16-bit product anyway (it upcasts the operands), and what
+PyTorch's bfloat16 GEMM computes: the values are the same. What changes is the kernel: XLA's CPU
+backend hands a 16-bit × 16-bit → float32 product with the operands in place to its YNNPACK
+library kernels (bf16 dot-product instructions: `avx512_bf16`, AMX tiles), where a 16-bit
+output, a 2-D transposed operand or a float32 cotangent makes it convert both operands to
+float32 first and run the float32 kernel. The backward pass is written out (`jax.custom_vjp`)
+for the same reason: autodiff's transpose of a float32-accumulating product multiplies a float32
+cotangent by the 16-bit weight, a float32 product. Here every product of the backward pass takes
+16-bit operands, with a leading batch axis on the activations:
+
+    ∂x = round₁₆(g wᵀ),   ∂w = round₁₆(Σ_tokens xᵀ g)      (for y = x w; for y = x wᵀ, mirrored)
+
+A 16-bit product's output is named `PRODUCT` (`jax.ad_checkpoint.checkpoint_name`): a remat
+policy that keeps the layers' dot outputs must keep it by name, since a policy that looks for dot
+primitives does not see inside a `custom_vjp`. `cpu_matmul_path()` says which path the installed
+XLA takes on this machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+PRODUCT = "weight_product"
+
+_SIXTEEN_BIT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _accumulates_in_float32(x: jax.Array, w: jax.Array) -> bool:
+  """Whether (x, w) take the float32-accumulating 16-bit path: a 16-bit weight, on a CPU (x in
+  the weight's dtype, or float32 activations, rounded to it at the product)."""
+  return (jnp.dtype(w.dtype) in _SIXTEEN_BIT and jnp.dtype(x.dtype) in (jnp.dtype(w.dtype), jnp.dtype(jnp.float32))
+          and jax.default_backend() == "cpu")
+
+
+def _batched(x: jax.Array) -> jax.Array:
+  """x with at least one leading axis before its last: (k,) or (m, k) → (1, ..., k). XLA's CPU
+  library path takes a transposed weight beside a batched activation, not beside a 2-D one."""
+  return x.reshape((1,) * max(3 - x.ndim, 0) + x.shape)
+
+
+def _einsum(spec: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
+  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(dtype)
+
+
+def _operands(x, w):
+  """x and the cotangent in the weight's dtype, batched: the product's 16-bit operands."""
+  return _batched(x).astype(w.dtype)
+
+
+@jax.custom_vjp
+def _matmul16(x, w):
+  return _einsum("...k,kn->...n", _operands(x, w), w, x.dtype).reshape(*x.shape[:-1], w.shape[-1])
+
+
+def _matmul16_fwd(x, w):
+  return _matmul16(x, w), (x, w)
+
+
+def _matmul16_bwd(residuals, g):
+  x, w = residuals
+  xb, gb = _operands(x, w), _operands(g, w)
+  dx = _einsum("...n,kn->...k", gb, w, x.dtype).reshape(x.shape)
+  dw = _einsum("...k,...n->kn", xb, gb, w.dtype)  # dropped by XLA when w is frozen (LoRA)
+  return dx, dw
+
+
+_matmul16.defvjp(_matmul16_fwd, _matmul16_bwd)
+
+
+@jax.custom_vjp
+def _matmul16_t(x, w):
+  return _einsum("...k,nk->...n", _operands(x, w), w, x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
+def _matmul16_t_fwd(x, w):
+  return _matmul16_t(x, w), (x, w)
+
+
+def _matmul16_t_bwd(residuals, g):
+  x, w = residuals
+  xb, gb = _operands(x, w), _operands(g, w)
+  dx = _einsum("...n,nk->...k", gb, w, x.dtype).reshape(x.shape)
+  dw = _einsum("...n,...k->nk", gb, xb, w.dtype)
+  return dx, dw
+
+
+_matmul16_t.defvjp(_matmul16_t_fwd, _matmul16_t_bwd)
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x w for x (..., k), w (k, n), in x's dtype (see the module docstring for 16-bit on a CPU)."""
+  return checkpoint_name(_matmul16(x, w), PRODUCT) if _accumulates_in_float32(x, w) else x @ w
+
+
+def matmul_t(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x wᵀ for x (..., k), w (n, k), in x's dtype (see the module docstring for 16-bit on a CPU)."""
+  return checkpoint_name(_matmul16_t(x, w), PRODUCT) if _accumulates_in_float32(x, w) else x @ w.T
+
+
+# ---------------------------------------------------------------------------------------------
+# What ran: for the run's summary and the benchmarks.
+
+
+def cpu_features(cpuinfo: str | None = None) -> tuple[str, ...]:
+  """The matrix and vector features of this CPU that its 16-bit products can use, as
+  /proc/cpuinfo names them (amx_bf16, avx512_bf16, avx512f, avx2); () where it cannot be read."""
+  if cpuinfo is None:
+    try:
+      cpuinfo = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+      return ()
+  flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+  return tuple(f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags)
+
+
+@functools.cache
+def library_takes_16bit_products() -> bool:
+  """Whether the installed XLA runs `matmul`'s bfloat16 product on its CPU library kernels with
+  bfloat16 operands: read from the compiled program of a small one (a YNNPACK fusion whose
+  computation takes bf16 parameters, not operands converted to float32 first)."""
+  if jax.default_backend() != "cpu":
+    return False
+  x = jax.ShapeDtypeStruct((2, 64, 64), jnp.bfloat16)
+  hlo = jax.jit(matmul).lower(x, jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)).compile().as_text()
+  return any(_library_fusion_params(hlo, line) == {"bf16"} for line in hlo.splitlines() if "__ynn_fusion" in line)
+
+
+def _library_fusion_params(hlo: str, fusion_line: str) -> set[str]:
+  """The element types of the parameters of the computation a fusion line calls."""
+  called = re.search(r"calls=(%[\w.\-]+)", fusion_line)
+  if not called:
+    return set()
+  header = next((line for line in hlo.splitlines() if line.startswith(called.group(1) + " (")), "")
+  return set(re.findall(r": (\w+)\[", header.split("->")[0]))
+
+
+def cpu_matmul_path(dtype) -> str | None:
+  """One line naming what runs the model's products in `dtype` on this CPU, for a run's summary;
+  None off a CPU."""
+  if jax.default_backend() != "cpu":
+    return None
+  features = cpu_features()
+  name = jnp.dtype(dtype).name
+  if jnp.dtype(dtype) not in _SIXTEEN_BIT:
+    vector = next((f for f in ("avx512f", "avx2") if f in features), "no AVX2")
+    return f"{name} products on XLA's CPU kernels ({vector})"
+  if not library_takes_16bit_products():
+    return f"{name} products converted to float32 by this XLA (no 16-bit library kernel)"
+  unit = next((u for f, u in (("amx_bf16", "AMX tiles"), ("avx512_bf16", "avx512_bf16 dot products"))
+               if f in features), None)
+  how = f"on {unit}" if unit else "without bf16 instructions on this CPU (converted inside the kernel)"
+  return f"{name} products accumulated in float32 by XLA's YNNPACK kernels, {how}"

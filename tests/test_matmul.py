@@ -1,0 +1,129 @@
+"""The model's weight products (jaxsft.matmul): in 16-bit on a CPU, the same values as XLA's plain
+16-bit product and autodiff's gradients, computed by the float32-accumulating forms; the path
+they take, as a run's summary names it; and the float32 activations of a 16-bit model on a CPU."""
+
+import contextlib
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsft import matmul as matmul_lib
+from jaxsft.models import decoder
+
+RNG = np.random.default_rng(0)
+
+
+def _arrays(*shapes, dtype=jnp.bfloat16):
+  return [jnp.asarray(RNG.standard_normal(s), dtype) for s in shapes]
+
+
+def _reference(x, w, transpose):
+  """Autodiff of the product computed in float32 from the same 16-bit values, rounded to x's dtype."""
+  y = jnp.einsum("...k,nk->...n" if transpose else "...k,kn->...n", x.astype(jnp.float32), w.astype(jnp.float32))
+  return y.astype(x.dtype)
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("x_shape", [(3, 5, 16), (7, 16), (16,)])
+def test_16bit_product_and_gradients_equal_a_float32_product_rounded_once(transpose, x_shape):
+  x, = _arrays(x_shape)
+  w, = _arrays((24, 16) if transpose else (16, 24))
+  ct, = _arrays((*x_shape[:-1], 24))
+  fn = matmul_lib.matmul_t if transpose else matmul_lib.matmul
+  y, vjp = jax.vjp(fn, x, w)
+  y_ref, vjp_ref = jax.vjp(lambda a, b: _reference(a, b, transpose), x, w)
+  assert y.dtype == jnp.bfloat16 and y.shape == y_ref.shape
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_ref, np.float32))
+  for got, want in zip(vjp(ct), vjp_ref(ct)):
+    assert got.dtype == want.dtype == jnp.bfloat16
+    # the reference's cotangent products run in float32 before their rounding, the same sums
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_float32_activations_round_to_the_weights_dtype_at_the_product():
+  x, = _arrays((4, 8, 16), dtype=jnp.float32)
+  w, = _arrays((16, 24))
+  ct, = _arrays((4, 8, 24), dtype=jnp.float32)
+  y, vjp = jax.vjp(matmul_lib.matmul, x, w)
+  assert y.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(y), np.asarray(_reference(x.astype(jnp.bfloat16), w, False).astype(jnp.float32)),
+                             rtol=1e-2, atol=1e-2)
+  dx, dw = vjp(ct)
+  assert dx.dtype == jnp.float32 and dw.dtype == jnp.bfloat16
+  want_dx = ct.astype(jnp.bfloat16).astype(jnp.float32) @ w.astype(jnp.float32).T
+  np.testing.assert_allclose(np.asarray(dx), np.asarray(want_dx), rtol=1e-5, atol=1e-5)
+
+
+def test_float32_products_are_the_plain_ones():
+  x, w = _arrays((3, 5, 16), (16, 24), dtype=jnp.float32)
+  np.testing.assert_array_equal(np.asarray(matmul_lib.matmul(x, w)), np.asarray(x @ w))
+  np.testing.assert_array_equal(np.asarray(matmul_lib.matmul_t(x, w.T)), np.asarray(x @ w))
+
+
+def test_16bit_products_are_plain_off_a_cpu(monkeypatch):
+  """On a GPU or TPU the 16-bit products are XLA's own (traced here, never run)."""
+  x, w = _arrays((3, 5, 16), (16, 24))
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  jaxpr = str(jax.make_jaxpr(matmul_lib.matmul)(x, w))
+  assert "custom_vjp" not in jaxpr and "preferred_element_type=float32" not in jaxpr
+  assert matmul_lib.cpu_matmul_path(jnp.bfloat16) is None
+  assert decoder.activation_dtype(jnp.bfloat16) == jnp.bfloat16
+
+
+def test_a_16bit_model_keeps_float32_activations_on_a_cpu():
+  assert decoder.activation_dtype(jnp.bfloat16) == jnp.float32
+  assert decoder.activation_dtype(jnp.float16) == jnp.float32
+  assert decoder.activation_dtype(jnp.float32) == jnp.float32
+
+
+def test_a_remat_policy_that_keeps_dots_keeps_the_16bit_products():
+  """The layer's products are a custom_vjp: a dots policy keeps them by name, so the backward
+  pass does not run them again (the rematerialized computation holds no forward product)."""
+  from jaxsft.models import decoder as d
+
+  policy = d.REMAT_POLICIES[d.DEFAULT_REMAT]
+  x, w = _arrays((2, 8, 16), (16, 16))
+
+  def layer(x):
+    return jnp.sum(jnp.tanh(matmul_lib.matmul(jnp.tanh(x), w)).astype(jnp.float32))
+
+  def saved(policy):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(layer, policy=policy), x)
+    return out.getvalue()
+
+  assert f"named '{matmul_lib.PRODUCT}'" in saved(policy)
+  assert matmul_lib.PRODUCT not in saved(jax.checkpoint_policies.nothing_saveable)
+
+
+CPUINFO = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_tile amx_bf16\n"
+
+
+def test_cpu_features_name_the_matrix_units():
+  assert matmul_lib.cpu_features(CPUINFO) == ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
+  assert matmul_lib.cpu_features("flags\t: fpu sse avx2\n") == ("avx2",)
+  assert matmul_lib.cpu_features("") == ()
+
+
+@pytest.mark.parametrize("cpuinfo,unit", [(CPUINFO, "AMX tiles"),
+                                          ("flags\t: avx2 avx512f avx512_bf16\n", "avx512_bf16 dot products"),
+                                          ("flags\t: avx2\n", "without bf16 instructions")])
+def test_the_summary_line_names_the_kernels_that_ran(monkeypatch, cpuinfo, unit):
+  read = matmul_lib.cpu_features
+  monkeypatch.setattr(matmul_lib, "cpu_features", lambda text=None: read(cpuinfo))
+  line = matmul_lib.cpu_matmul_path(jnp.bfloat16)
+  if matmul_lib.library_takes_16bit_products():
+    assert "YNNPACK" in line and unit in line
+  else:  # an XLA without the 16-bit library path says so
+    assert "converted to float32" in line
+  assert matmul_lib.cpu_matmul_path(jnp.float32).startswith("float32 products on XLA's CPU kernels")
+
+
+def test_this_xla_hands_16bit_products_to_its_library_kernels():
+  """The installed jaxlib is what the project's speed claims rest on: a jaxlib that loses the
+  path shows here, not only as a slower benchmark."""
+  assert matmul_lib.library_takes_16bit_products()
