@@ -64,6 +64,19 @@ def cpu_vector_isa(cpuinfo: str | None = None) -> str | None:
   return f"{isa} + AMX" if isa and "amx_tile" in flags else isa
 
 
+MATRIX_FLAGS = ("avx512f", "avx512_bf16", "amx_bf16")
+"""The /proc/cpuinfo flags that decide which matmul kernels run: float32 on AVX-512, bfloat16 dot
+products (avx512_bf16), and the AMX tiles (amx_bf16)."""
+
+
+def cpu_matrix_flags(cpuinfo: str | None = None) -> tuple[str, ...]:
+  """Which of `MATRIX_FLAGS` this CPU reports (from `cpuinfo`, default `read_cpuinfo()`)."""
+  from jaxsft.matmul import cpu_features
+
+  features = cpu_features(read_cpuinfo() if cpuinfo is None else cpuinfo)
+  return tuple(f for f in MATRIX_FLAGS if f in features)
+
+
 # Environment variables that change step times (compiler flags, the allocator, thread counts): a
 # figure measured under any of them says so in its machine line. GLIBC_TUNABLES, for one, decides
 # whether a step's large buffers are mapped and page-faulted afresh every step.
@@ -82,7 +95,8 @@ def machine_info() -> dict[str, Any]:
   import jax
 
   cpuinfo = read_cpuinfo()
-  info = {"cpu": cpu_name(cpuinfo), "vector_isa": cpu_vector_isa(cpuinfo), "cpus": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()],
+  info = {"cpu": cpu_name(cpuinfo), "vector_isa": cpu_vector_isa(cpuinfo), "cpu_flags": list(cpu_matrix_flags(cpuinfo)),
+          "cpus": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()],
           "python": platform.python_version(), "jax": jax.__version__, "backend": jax.default_backend(),
           "device": str(jax.devices()[0].device_kind), "device_count": jax.device_count(),
           "environment": timing_environment()}
@@ -99,6 +113,8 @@ def machine_line(info: dict) -> str:
   device = "" if info["backend"] == "cpu" else f", {info['device_count']}× {info['device']} ({info['backend']})"
   environment = "".join(f"; {name}={value}" for name, value in info.get("environment", {}).items())
   isa = f" ({info['vector_isa']})" if info.get("vector_isa") else ""
+  if "cpu_flags" in info:  # older result files lack it
+    isa += f" [flags: {' '.join(info['cpu_flags']) or 'none of ' + ' '.join(MATRIX_FLAGS)}]"
   return (f"{info['cpu']}{isa}, {info['cpus']} cores{device}; JAX {info['jax']}; 1/5/15-minute load average at start "
           f"{'/'.join(f'{x:.1f}' for x in info['load_average'])}{environment}")
 
