@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING
 
 from jaxsft import flops as flops_lib
+from jaxsft import matmul as matmul_lib
 from jaxsft import models
 from jaxsft import tracking
 from jaxsft.run_files import RunFiles
@@ -56,6 +57,9 @@ def finish(run: Run, result: RunResult, model) -> None:
       if "format_rate" in result.evaluation[name]:
         summary[f"format_rate_{name}"] = result.evaluation[name]["format_rate"]
   summary.update(flops_lib.mean_utilization(run_files.read_records(files.metrics)))
+  path = matmul_lib.cpu_matmul_path(model.dtype)  # which kernels ran the products (None off a CPU)
+  if path:
+    summary["matmul_path"] = path
   files.write_json("summary.json", summary)
   for tag, text in tracking.run_report_markdown(result.diagnosis.report(), result.evaluation).items():
     run.trackers.text(tag, text, result.steps)
@@ -80,6 +84,8 @@ def summary_text(files: RunFiles, summary: dict, result: RunResult) -> str:
   if "flops_per_s" in summary:
     mfu = f", MFU {100 * summary['mfu']:.1f}%" if "mfu" in summary else ""
     lines.append(f"throughput: {summary['flops_per_s'] / 1e9:.1f} GFLOP/s (model FLOPs){mfu}")
+  if "matmul_path" in summary:
+    lines.append(f"matmuls: {summary['matmul_path']}")
   lines.append(result.diagnosis.report())
   full = files.holds_full_model()
   tuned = files.tuned(full)
