@@ -292,8 +292,10 @@ def torch_worker(workdir, meta, shape, steps, dtype, device, threads, compile_mo
     losses.append(step(batches[i % len(batches)]))
     times.append(time.perf_counter() - t)
     cpu_times.append(time.process_time() - c)
+  # what a user's `dtype=torch.bfloat16` load gives the adapter: peft keeps it float32 by default
+  adapter_dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in params})
   return {"load_s": load_s, "first_step_s": first_step_s, "step_times": times, "step_cpu_times": cpu_times,
-          "losses": losses,
+          "losses": losses, "adapter_dtypes": adapter_dtypes,
           "threads": torch.get_num_threads(), "torch": torch.__version__, **memory("torch", device)}
 
 
@@ -619,6 +621,7 @@ def summarize(runs: dict, shapes, trained: dict, *, model_flops: dict | None = N
                  "tokens_per_s": b * t / step_s,
                  "xla_flops": ok[0].get("xla_flops"), "xla_bytes_accessed": ok[0].get("xla_bytes_accessed"),
                  "cudnn_attention": ok[0].get("cudnn_attention"), "matmul_path": ok[0].get("matmul_path"),
+                 "adapter_dtypes": ok[0].get("adapter_dtypes"),
                  "step_cpu_s": common.median([r["step_cpu_s"] for r in ok]),
                  "load_average_at_start": [round(r["load_average_at_start"], 2) for r in ok],
                  "trained_tokens_per_s": trained[key] / step_s,
@@ -684,6 +687,11 @@ def markdown(result: dict, command: str) -> str:
   paths = {per["jaxsft"].get("matmul_path") for per in result["summary"].values()} - {None}
   if paths:
     lines += [f"jaxsft's products: {'; '.join(sorted(paths))} (`jaxsft.matmul.cpu_matmul_path`).", ""]
+  adapters = {fw: per[fw]["adapter_dtypes"] for per in result["summary"].values() for fw in PEERS
+              if per.get(fw, {}).get("adapter_dtypes")}
+  if adapters:
+    lines += [f"PyTorch side: model loaded with `dtype=torch.{result['dtype']}`; its trained (LoRA) parameters in "
+              + "; ".join(f"{fw} {', '.join(d)}" for fw, d in adapters.items()) + " (peft's default).", ""]
   cudnn = {key: per["jaxsft"].get("cudnn_attention") for key, per in result["summary"].items()
            if per["jaxsft"].get("cudnn_attention") is not None}
   if cudnn:

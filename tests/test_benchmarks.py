@@ -370,3 +370,17 @@ def test_the_machine_line_names_the_cpus_matrix_flags():
   assert "[flags: avx512f amx_bf16]" in common.machine_line(info)
   assert "[flags: none of avx512f avx512_bf16 amx_bf16]" in common.machine_line({**info, "cpu_flags": []})
   assert "flags" not in common.machine_line({k: v for k, v in info.items() if k != "cpu_flags"})  # older files
+
+
+def test_step_profile_names_the_ops_of_the_compiled_step():
+  from benchmarks import step_profile
+
+  out = step_profile.profile("tiny", "float32", (2, 16), steps=1)
+  assert out["step_wall_s"] > 0 and out["rows"]
+  assert all(r["seconds"] >= 0 and r["calls"] >= 1 for r in out["rows"])
+  # the tiny model's two layers run in a scan: some op runs twice a step, from the layer body
+  assert any(r["calls"] == 2 and "while/body" in r["from"] for r in out["rows"])
+  assert sum(out["groups"].values()) == pytest.approx(sum(r["seconds"] for r in out["rows"]))
+  assert step_profile.group_of("ynn_fusion.3") == "library products"
+  assert step_profile.group_of("wrapped_convert.2") == "conversions"
+  assert step_profile.group_of("dot_general.7") == "other products"
