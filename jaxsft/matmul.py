@@ -3,22 +3,26 @@
     matmul(x, w)      y = x w      x (..., k), w (k, n)   (a projection: the kernel is (in, out))
     matmul_t(x, w)    y = x wᵀ     x (..., k), w (n, k)   (the LM head: the embedding is (V, H))
 
-In float32, and on a GPU or TPU, both are the plain products. In bfloat16 (or float16) on a CPU
-they accumulate in float32 and round the result once to the input dtype,
+In float32, and on a GPU or TPU, both are the plain products. With a 16-bit (bfloat16 or
+float16) weight on a CPU, x is rounded to the weight's dtype and the product accumulates in
+float32, rounded once to x's dtype,
 
-    y = round₁₆(Σ_k x_k · w_k  in float32),
+    y = round_x(Σ_k round₁₆(x_k) · w_k  in float32),
 
-which is what XLA computes for a 16-bit product anyway (it upcasts the operands), and what
-PyTorch's bfloat16 GEMM computes: the values are the same. What changes is the kernel: XLA's CPU
-backend hands a 16-bit × 16-bit → float32 product with the operands in place to its YNNPACK
-library kernels (bf16 dot-product instructions: `avx512_bf16`, AMX tiles), where a 16-bit
-output, a 2-D transposed operand or a float32 cotangent makes it convert both operands to
-float32 first and run the float32 kernel. The backward pass is written out (`jax.custom_vjp`)
-for the same reason: autodiff's transpose of a float32-accumulating product multiplies a float32
-cotangent by the 16-bit weight, a float32 product. Here every product of the backward pass takes
-16-bit operands, with a leading batch axis on the activations:
+which for a 16-bit x is what XLA computes for a plain 16-bit product anyway (it upcasts the
+operands) and what PyTorch's bfloat16 GEMM computes; x may also be float32 (the activations of a
+16-bit model on a CPU, `jaxsft.models.decoder.activation_dtype`), rounded at the product as torch's
+autocast does. What changes is the kernel: XLA's CPU backend hands a 16-bit × 16-bit → float32
+product with the operands in place to its YNNPACK library kernels (bf16 dot-product
+instructions: `avx512_bf16`, AMX tiles), where a 16-bit output, a 2-D transposed operand or a
+float32 operand makes it convert both operands to float32 first and run the float32 kernel. The
+backward pass is written out (`jax.custom_vjp`) for the same reason: autodiff's transpose of a
+float32-accumulating product multiplies a float32 cotangent by the 16-bit weight, a float32
+product. Here every product of the backward pass takes 16-bit operands, with a leading batch
+axis on the activations (g: the cotangent of y):
 
-    ∂x = round₁₆(g wᵀ),   ∂w = round₁₆(Σ_tokens xᵀ g)      (for y = x w; for y = x wᵀ, mirrored)
+    ∂x = round_x(round₁₆(g) wᵀ),   ∂w = round₁₆(Σ_tokens round₁₆(x)ᵀ round₁₆(g))
+    (for y = x w; for y = x wᵀ, mirrored)
 
 A 16-bit product's output is named `PRODUCT` (`jax.ad_checkpoint.checkpoint_name`): a remat
 policy that keeps the layers' dot outputs must keep it by name, since a policy that looks for dot
@@ -59,7 +63,7 @@ def _einsum(spec: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
 
 
 def _operands(x, w):
-  """x and the cotangent in the weight's dtype, batched: the product's 16-bit operands."""
+  """An activation (or a cotangent) batched and rounded to the weight's dtype: a 16-bit operand."""
   return _batched(x).astype(w.dtype)
 
 
