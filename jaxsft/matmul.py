@@ -67,54 +67,40 @@ def _operands(x, w):
   return _batched(x).astype(w.dtype)
 
 
-@jax.custom_vjp
-def _matmul16(x, w):
-  return _einsum("...k,kn->...n", _operands(x, w), w, x.dtype).reshape(*x.shape[:-1], w.shape[-1])
+# The einsums of y, ∂x and ∂w for y = x w (w (k, n)) and for y = x wᵀ (w (n, k)).
+_FORMS = {False: ("...k,kn->...n", "...n,kn->...k", "...k,...n->kn"),
+          True: ("...k,nk->...n", "...n,nk->...k", "...k,...n->nk")}
 
 
-def _matmul16_fwd(x, w):
-  return _matmul16(x, w), (x, w)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _product16(transposed: bool, x, w):
+  out = w.shape[0] if transposed else w.shape[-1]
+  return _einsum(_FORMS[transposed][0], _operands(x, w), w, x.dtype).reshape(*x.shape[:-1], out)
 
 
-def _matmul16_bwd(residuals, g):
+def _product16_fwd(transposed, x, w):
+  return _product16(transposed, x, w), (x, w)
+
+
+def _product16_bwd(transposed, residuals, g):
   x, w = residuals
-  xb, gb = _operands(x, w), _operands(g, w)
-  dx = _einsum("...n,kn->...k", gb, w, x.dtype).reshape(x.shape)
-  dw = _einsum("...k,...n->kn", xb, gb, w.dtype)  # dropped by XLA when w is frozen (LoRA)
+  _, dx_form, dw_form = _FORMS[transposed]
+  dx = _einsum(dx_form, _operands(g, w), w, x.dtype).reshape(x.shape)
+  dw = _einsum(dw_form, _operands(x, w), _operands(g, w), w.dtype)  # dropped by XLA when w is frozen (LoRA)
   return dx, dw
 
 
-_matmul16.defvjp(_matmul16_fwd, _matmul16_bwd)
-
-
-@jax.custom_vjp
-def _matmul16_t(x, w):
-  return _einsum("...k,nk->...n", _operands(x, w), w, x.dtype).reshape(*x.shape[:-1], w.shape[0])
-
-
-def _matmul16_t_fwd(x, w):
-  return _matmul16_t(x, w), (x, w)
-
-
-def _matmul16_t_bwd(residuals, g):
-  x, w = residuals
-  xb, gb = _operands(x, w), _operands(g, w)
-  dx = _einsum("...n,nk->...k", gb, w, x.dtype).reshape(x.shape)
-  dw = _einsum("...n,...k->nk", gb, xb, w.dtype)
-  return dx, dw
-
-
-_matmul16_t.defvjp(_matmul16_t_fwd, _matmul16_t_bwd)
+_product16.defvjp(_product16_fwd, _product16_bwd)
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
   """x w for x (..., k), w (k, n), in x's dtype (see the module docstring for 16-bit on a CPU)."""
-  return checkpoint_name(_matmul16(x, w), PRODUCT) if _accumulates_in_float32(x, w) else x @ w
+  return checkpoint_name(_product16(False, x, w), PRODUCT) if _accumulates_in_float32(x, w) else x @ w
 
 
 def matmul_t(x: jax.Array, w: jax.Array) -> jax.Array:
   """x wᵀ for x (..., k), w (n, k), in x's dtype (see the module docstring for 16-bit on a CPU)."""
-  return checkpoint_name(_matmul16_t(x, w), PRODUCT) if _accumulates_in_float32(x, w) else x @ w.T
+  return checkpoint_name(_product16(True, x, w), PRODUCT) if _accumulates_in_float32(x, w) else x @ w.T
 
 
 # ---------------------------------------------------------------------------------------------
