@@ -36,7 +36,7 @@ class ModelConfig:
   name: str = "smollm2-135m-instruct"
   """A short name, a Hugging Face model directory, a hub id or a .gguf file."""
   dtype: str = "auto"
-  """Compute and frozen-weight dtype: auto (bfloat16 on a GPU/TPU, float32 on a CPU), float32 or bfloat16; LoRA params and optimizer state stay float32."""
+  """Compute and frozen-weight dtype: auto (bfloat16 on a GPU/TPU, float32 on a CPU), float32 or bfloat16; LoRA params and optimizer state stay float32. On a CPU, bfloat16 means bfloat16 weights and products (on the CPU's bf16 units where it has them) with float32 activations between the products; the run's summary names the kernels that ran."""
   quantize: str = "none"
   """QLoRA: store the frozen base's projection kernels block-quantized and dequantize them inside the step, one layer at a time: none, int8, nf4 (QLoRA's NormalFloat), int4, or gguf (a .gguf model's own Q4_0/Q4_1/Q8_0 blocks, as llama.cpp serves them). Embeddings and LM head stay in `dtype` (see quantize_embeddings), norms too; LoRA only (mode=full is refused)."""
   quant_block_size: int = DEFAULT_BLOCK
