@@ -3,9 +3,9 @@
     matmul(x, w)      y = x w      x (..., k), w (k, n)   (a projection: the kernel is (in, out))
     matmul_t(x, w)    y = x wᵀ     x (..., k), w (n, k)   (the LM head: the embedding is (V, H))
 
-In float32, and on a GPU or TPU, both are the plain products. With a 16-bit (bfloat16 or
-float16) weight on a CPU, x is rounded to the weight's dtype and the product accumulates in
-float32, rounded once to x's dtype,
+In float32, and on a GPU or TPU, both are the plain products. With a bfloat16 weight on a CPU
+with bf16 units (AMX, `avx512_bf16`; `uses_16bit_kernels`), x is rounded to the weight's dtype
+and the product accumulates in float32, rounded once to x's dtype,
 
     y = round_x(Σ_k round₁₆(x_k) · w_k  in float32),
 
@@ -43,13 +43,24 @@ from jax.ad_checkpoint import checkpoint_name
 PRODUCT = "weight_product"
 
 _SIXTEEN_BIT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+BF16_UNITS = ("amx_bf16", "avx512_bf16")
+"""The CPU features that run bfloat16 products faster than float32 ones: AMX tiles, AVX-512 bf16
+dot products. Without either, a bfloat16 product is converted to float32 anyway."""
+
+
+def uses_16bit_kernels(dtype) -> bool:
+  """Whether products with `dtype` weights run on the CPU's 16-bit kernels here: bfloat16, on a
+  CPU with bf16 units (`BF16_UNITS`), whose XLA hands such products to its library kernels.
+  Elsewhere on a CPU (float16, or a CPU without the units) a 16-bit weight meets float32
+  activations in a float32 product, which is what XLA would run for a 16-bit product there."""
+  return (jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) and jax.default_backend() == "cpu"
+          and any(f in BF16_UNITS for f in _this_cpu()) and library_takes_16bit_products())
 
 
 def _accumulates_in_float32(x: jax.Array, w: jax.Array) -> bool:
-  """Whether (x, w) take the float32-accumulating 16-bit path: a 16-bit weight, on a CPU (x in
-  the weight's dtype, or float32 activations, rounded to it at the product)."""
-  return (jnp.dtype(w.dtype) in _SIXTEEN_BIT and jnp.dtype(x.dtype) in (jnp.dtype(w.dtype), jnp.dtype(jnp.float32))
-          and jax.default_backend() == "cpu")
+  """Whether (x, w) take the float32-accumulating 16-bit path: a weight on the 16-bit kernels
+  (`uses_16bit_kernels`), x in its dtype or float32 (rounded to it at the product)."""
+  return jnp.dtype(x.dtype) in (jnp.dtype(w.dtype), jnp.dtype(jnp.float32)) and uses_16bit_kernels(w.dtype)
 
 
 def _batched(x: jax.Array) -> jax.Array:
@@ -120,6 +131,11 @@ def cpu_features(cpuinfo: str | None = None) -> tuple[str, ...]:
 
 
 @functools.cache
+def _this_cpu() -> tuple[str, ...]:
+  return cpu_features()
+
+
+@functools.cache
 def library_takes_16bit_products() -> bool:
   """Whether the installed XLA runs `matmul`'s bfloat16 product on its CPU library kernels with
   bfloat16 operands: read from the compiled program of a small one (a YNNPACK fusion whose
@@ -127,7 +143,8 @@ def library_takes_16bit_products() -> bool:
   if jax.default_backend() != "cpu":
     return False
   x = jax.ShapeDtypeStruct((2, 64, 64), jnp.bfloat16)
-  hlo = jax.jit(matmul).lower(x, jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)).compile().as_text()
+  product = functools.partial(_product16, False)
+  hlo = jax.jit(product).lower(x, jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)).compile().as_text()
   return any(_library_fusion_params(hlo, line) == {"bf16"} for line in hlo.splitlines() if "__ynn_fusion" in line)
 
 
@@ -141,18 +158,22 @@ def _library_fusion_params(hlo: str, fusion_line: str) -> set[str]:
 
 
 def cpu_matmul_path(dtype) -> str | None:
-  """One line naming what runs the model's products in `dtype` on this CPU, for a run's summary;
-  None off a CPU."""
+  """One line naming what runs the model's products with `dtype` weights on this CPU, for a run's
+  summary; None off a CPU."""
   if jax.default_backend() != "cpu":
     return None
   features = cpu_features()
   name = jnp.dtype(dtype).name
+  vector = next((f for f in ("avx512f", "avx2") if f in features), "no AVX2")
   if jnp.dtype(dtype) not in _SIXTEEN_BIT:
-    vector = next((f for f in ("avx512f", "avx2") if f in features), "no AVX2")
     return f"{name} products on XLA's CPU kernels ({vector})"
-  if not library_takes_16bit_products():
-    return f"{name} products converted to float32 by this XLA (no 16-bit library kernel)"
-  unit = next((u for f, u in (("amx_bf16", "AMX tiles"), ("avx512_bf16", "avx512_bf16 dot products"))
-               if f in features), None)
-  how = f"on {unit}" if unit else "without bf16 instructions on this CPU (converted inside the kernel)"
-  return f"{name} products accumulated in float32 by XLA's YNNPACK kernels, {how}"
+  if uses_16bit_kernels(dtype):
+    unit = "AMX tiles" if "amx_bf16" in features else "avx512_bf16 dot products"
+    return f"{name} products accumulated in float32 by XLA's YNNPACK kernels, on {unit}"
+  if name != "bfloat16":
+    why = "the 16-bit kernels serve bfloat16"
+  elif any(f in BF16_UNITS for f in features):
+    why = "this XLA has no 16-bit library kernel"
+  else:
+    why = "no bf16 units on this CPU"
+  return f"{name} weights, float32 products on XLA's CPU kernels ({vector}; {why})"

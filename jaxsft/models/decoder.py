@@ -55,8 +55,8 @@ def resolve_dtype(dtype) -> jnp.dtype:
 def activation_dtype(dtype) -> jnp.dtype:
   """The dtype of the activations between the weight products, for weights in `dtype`: the
   same, except 16-bit weights on a CPU, whose activations stay float32 (XLA's CPU backend computes
-  16-bit elementwise ops in float32 anyway, converting at every op; the products round their
-  operands to 16 bits and run on the CPU's 16-bit kernels, see `jaxsft.matmul`)."""
+  16-bit elementwise ops in float32 anyway, converting at every op; the products run on the
+  CPU's bfloat16 kernels where it has bf16 units, in float32 elsewhere: see `jaxsft.matmul`)."""
   dtype = jnp.dtype(dtype)
   if dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and jax.default_backend() == "cpu":
     return jnp.dtype(jnp.float32)
