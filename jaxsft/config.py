@@ -470,7 +470,14 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--config", help="YAML file mirroring the config tree (configs/*.yaml)")
   defaults = TrainConfig()
   reverse_alias = {v: k for k, v in ALIASES.items()}
+  # One help section per part of the config tree, in the tree's order: `--help` reads as the YAML does.
+  groups = {"": parser.add_argument_group("the run")}
+  for key in fields():
+    section = key.rsplit(".", 1)[0] if "." in key else ""
+    if section not in groups:
+      groups[section] = parser.add_argument_group(f"{section}.* ({section} section of the YAML)")
   for key, (tp, doc) in fields().items():
+    group = groups[key.rsplit(".", 1)[0] if "." in key else ""]
     obj = defaults
     for part in key.split("."):
       obj = getattr(obj, part)
@@ -478,9 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
     choices = f" {{{'|'.join(CHOICES[key])}}}" if key in CHOICES else ""
     help_text = f"{doc} [{_type_name(tp)}{choices}; default {obj!r}]".strip()
     if tp is bool:
-      parser.add_argument(*names, dest=key, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+      group.add_argument(*names, dest=key, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
     else:
-      parser.add_argument(*names, dest=key, default=argparse.SUPPRESS, metavar=key.rsplit(".", 1)[-1].upper(), help=help_text)
+      group.add_argument(*names, dest=key, default=argparse.SUPPRESS, metavar=key.rsplit(".", 1)[-1].upper(), help=help_text)
   parser.add_argument("overrides", nargs="*", help="key=value overrides (dotted keys or aliases)")
   return parser
 

@@ -616,14 +616,24 @@ def diagnose_run(run_dir: str | pathlib.Path) -> Diagnosis:
                   vocab_size=m.vocab_size, learning_rate=m.train_lr or None)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+  from jaxsft.cli import HelpFormatter
+
   parser = argparse.ArgumentParser(
-      prog="python -m jaxsft.doctor",
+      prog="python -m jaxsft.doctor", formatter_class=HelpFormatter,
       description="Classify a run's loss curve (RUN_DIR/metrics.jsonl) and print the likely "
                   "cause and the fix.")
   parser.add_argument("run_dir", help="a training output folder holding metrics.jsonl (or the file)")
   parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
-  args = parser.parse_args(argv)
+  return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  return build_parser().parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = parse_args(argv)
   def body():
     try:
       diagnosis = diagnose_run(args.run_dir)

@@ -25,7 +25,8 @@ def _data_arguments(parser: argparse.ArgumentParser, *, max_length: int, on_erro
   parser.add_argument("--field-map", type=json.loads, default=None,
                       help='canonical -> file field names, e.g. \'{"instruction": "question", "output": "answer"}\'')
   parser.add_argument("--format", default="auto", help="record format (default: auto-detect)")
-  parser.add_argument("--train-on", default="all_assistant", choices=TRAIN_ON)
+  parser.add_argument("--train-on", default="all_assistant", choices=TRAIN_ON,
+                      help="all_assistant: every reply is trained; last: only the final one")
   parser.add_argument("--on-error", default=on_error, choices=ON_ERROR,
                       help="raise (the first bad record is an error) or skip (bad records are counted and left "
                            "out); default: %(default)s")
@@ -33,12 +34,15 @@ def _data_arguments(parser: argparse.ArgumentParser, *, max_length: int, on_erro
   parser.add_argument("--no-cache", action="store_true", help="tokenize in memory, without the token store")
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m jaxsft.data", description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+  from jaxsft.cli import HelpFormatter
+
+  parser = argparse.ArgumentParser(prog="python -m jaxsft.data", description=__doc__.split("\n")[0],
+                                   formatter_class=HelpFormatter)
   sub = parser.add_subparsers(dest="command", required=True)
-  build = sub.add_parser("build", help="tokenize a data file into its token store (or find it)")
+  build = sub.add_parser("build", formatter_class=HelpFormatter, help="tokenize a data file into its token store (or find it)")
   _data_arguments(build, max_length=512, on_error="raise")  # the trainer's defaults: it finds this store
-  stats = sub.add_parser("stats", help="length histogram and padded tokens per batching mode")
+  stats = sub.add_parser("stats", formatter_class=HelpFormatter, help="length histogram and padded tokens per batching mode")
   _data_arguments(stats, max_length=1024, on_error="skip")
   stats.add_argument("--buckets", type=int, default=8, help="number of buckets to choose (default: %(default)s)")
   stats.add_argument("--batch-size", type=int, default=8, help="rows per batch (default: %(default)s)")
@@ -47,10 +51,20 @@ def main(argv=None) -> int:
   stats.add_argument("--cost-from", default=None, metavar="RUN_DIR",
                      help="price steps and compiles with the cost a jaxsft run measured (its summary.json); "
                           "default: the built-in default cost")
+  return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = build_parser()
   args = parser.parse_args(argv)
-  logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
   if args.command == "build" and args.no_cache:
     parser.error("build writes the token store: --no-cache does not apply")
+  return args
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
   from jaxsft import errors
 
