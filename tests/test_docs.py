@@ -165,3 +165,12 @@ def test_every_help_shows_defaults_and_groups(capsys):
   train_help = config.build_parser().format_help()
   for section in ("model", "lora", "data", "optim", "mesh", "eval", "logging"):
     assert f"\n{section}.* (" in train_help, section
+
+
+def test_every_relative_link_of_the_readme_and_the_guide_names_a_file_that_exists():
+  pages = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "results" / "README.md"]
+  links = [(page, target) for page in pages
+           for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()) if "://" not in target]
+  assert len(links) > 30
+  missing = [f"{page.relative_to(ROOT)} -> {target}" for page, target in links if not (page.parent / target).exists()]
+  assert not missing, missing
