@@ -34,37 +34,45 @@ class ChatError(JaxsftError):
   """Bad input to the CLI (missing adapter, wrong base, unreadable prompts): exit 2."""
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+  from jaxsft.cli import HelpFormatter
   from jaxsft.quant import QUANTIZE_CHOICES
 
   parser = argparse.ArgumentParser(prog="python -m jaxsft.chat", description=__doc__.split("\n\n")[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter,
-                                   epilog=__doc__.split("\n\n", 1)[1])
-  parser.add_argument("run_dir", nargs="?", help="a run directory written by python -m jaxsft.train "
-                      "(its model and adapter, or its full fine-tuned model)")
-  parser.add_argument("--model", help="a model jaxsft loads (short name, HF directory, hub id, .gguf); "
-                      "instead of RUN_DIR")
-  parser.add_argument("--adapter", help="a PEFT LoRA adapter directory to load onto --model")
-  parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None,
-                      help="compute dtype (default: the run's, else float32; auto: bfloat16 on a GPU/TPU, "
-                      "float32 on a CPU)")
-  parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=None,
-                      help="with --model: store the base's projection kernels block-quantized, as a QLoRA "
-                      "run (model.quantize) trained the adapter (default: none; a RUN_DIR brings its own)")
-  parser.add_argument("--quant-block-size", type=int, default=None,
-                      help="with --quantize int8/nf4/int4: inputs per quantization block (default: 32)")
-  parser.add_argument("--quantize-embeddings", action="store_true", default=None,
-                      help="with --quantize: the embeddings and LM head too (model.quantize_embeddings)")
-  parser.add_argument("--system", help="a system prompt for the conversation")
-  parser.add_argument("--prompt", help="one user message: print the reply and exit")
-  parser.add_argument("--input", help="batch mode: a data file of prompts (JSON/JSONL, .gz)")
-  parser.add_argument("--output", help="batch mode: where to write the records with their replies (JSONL)")
-  parser.add_argument("--max-new-tokens", type=int, default=256)
-  parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-  parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
-  parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
-  parser.add_argument("--seed", type=int, default=0, help="sampling seed")
-  parser.add_argument("--batch-size", type=int, default=8, help="batch mode: prompts decoded together")
+                                   formatter_class=HelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+  load = parser.add_argument_group("the model (a run directory, or a model and an adapter)")
+  load.add_argument("run_dir", nargs="?", help="a run directory written by python -m jaxsft.train "
+                    "(its model and adapter, or its full fine-tuned model)")
+  load.add_argument("--model", help="a model jaxsft loads (short name, HF directory, hub id, .gguf); "
+                    "instead of RUN_DIR")
+  load.add_argument("--adapter", help="a PEFT LoRA adapter directory to load onto --model")
+  load.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None,
+                    help="compute dtype (default: the run's, else float32; auto: bfloat16 on a GPU/TPU, "
+                    "float32 on a CPU)")
+  load.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=None,
+                    help="with --model: store the base's projection kernels block-quantized, as a QLoRA "
+                    "run (model.quantize) trained the adapter (default: none; a RUN_DIR brings its own)")
+  load.add_argument("--quant-block-size", type=int, default=None,
+                    help="with --quantize int8/nf4/int4: inputs per quantization block (default: 32)")
+  load.add_argument("--quantize-embeddings", action="store_true", default=None,
+                    help="with --quantize: the embeddings and LM head too (model.quantize_embeddings)")
+  prompts = parser.add_argument_group("what to answer (interactive without --prompt or --input)")
+  prompts.add_argument("--system", help="a system prompt for the conversation")
+  prompts.add_argument("--prompt", help="one user message: print the reply and exit")
+  prompts.add_argument("--input", help="batch mode: a data file of prompts (JSON/JSONL, .gz)")
+  prompts.add_argument("--output", help="batch mode: where to write the records with their replies (JSONL)")
+  prompts.add_argument("--batch-size", type=int, default=8, help="batch mode: prompts decoded together")
+  sampling = parser.add_argument_group("generation")
+  sampling.add_argument("--max-new-tokens", type=int, default=256, help="a reply's length at most, in tokens")
+  sampling.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+  sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+  sampling.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
+  sampling.add_argument("--seed", type=int, default=0, help="sampling seed")
+  return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = build_parser()
   args = parser.parse_args(argv)
   if (args.run_dir is None) == (args.model is None):
     parser.error("give RUN_DIR or --model (one of them)")

@@ -50,8 +50,11 @@ class ModelConfig:
 @dataclasses.dataclass
 class LoraConfig:
   r: int = 8
+  """Rank of each LoRA update (A is in x r, B is r x out)."""
   alpha: float = 16.0
+  """Scale numerator: the update is (alpha / r) * A B (alpha / sqrt(r) with rslora)."""
   dropout: float = 0.0
+  """Dropout on the LoRA branch's input during training (0: none)."""
   target_modules: tuple[str, ...] = ("q_proj", "v_proj")
   """Projections of the decoder layers, or all-linear: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj)."""
   rslora: bool = False
@@ -66,15 +69,19 @@ class DataConfig:
   field_map: dict[str, str] | None = None
   """Map of canonical field names to the file's names, e.g. {"output": "response"}."""
   format: str = "auto"
+  """The records' format: auto (detected from each record's fields) or one named format."""
   val_path: str | None = None
   """Held-out data; without it `val_fraction` of the training records are held out."""
   val_fraction: float = 0.1
+  """Share of the training records held out for validation and the closing evaluation when `val_path` is unset."""
   max_val_examples: int = 256
+  """At most this many held-out records."""
   on_error: str = "raise"
   """raise: a bad record stops the run; skip: bad records are counted, reported and skipped."""
   synthetic_size: int = 1200
   """Number of generated examples when `path` is None."""
   max_length: int = 512
+  """Tokens per example at most; a longer example keeps its first max_length tokens."""
   batching: str = "bucketed"
   """static (pad to max_length) | dynamic (batch max) | bucketed | packed | bucketed_packed (rows of a few
   widths, each packed) | auto (the mode and its buckets or widths the cost model predicts fastest for this
@@ -88,9 +95,11 @@ class DataConfig:
   bucket_lengths: tuple[int, ...] | None = None
   """Explicit bucket boundaries; None: chosen from the data to minimize padding."""
   batch_size: int = 8
+  """Rows per batch (when `tokens_per_batch` is unset)."""
   tokens_per_batch: int | None = None
   """Token budget per batch: B_k = tokens_per_batch // T_k (overrides batch_size)."""
   pad_to_multiple_of: int = 8
+  """Batch widths (dynamic padding, probes, the widest bucket) are rounded up to a multiple of this."""
   train_on: str = "all_assistant"
   """all_assistant: every reply is trained; last: only the final reply."""
   worker_count: int = 0
@@ -102,20 +111,29 @@ class DataConfig:
   cache_dir: str | None = None
   """Where token stores live (None: $JAXSFT_CACHE/tokens, by default ~/.cache/jaxsft/tokens)."""
   seed: int = 0
+  """Seed of the built-in data's generation, the held-out split and the shuffle order."""
 
 
 @dataclasses.dataclass
 class OptimConfig:
   lr: float = 2e-4
+  """Peak learning rate of AdamW."""
   weight_decay: float = 0.0
+  """AdamW's decoupled weight decay."""
   b1: float = 0.9
+  """AdamW's first-moment decay."""
   b2: float = 0.999
+  """AdamW's second-moment decay."""
   eps: float = 1e-8
+  """AdamW's epsilon."""
   schedule: str = "cosine"
   """cosine | linear | constant (after warmup)."""
   warmup_steps: int | None = None
+  """Linear warmup steps; None: `warmup_ratio` of the run's steps."""
   warmup_ratio: float = 0.05
+  """Warmup as a share of the run's optimizer steps (rounded up), when `warmup_steps` is None."""
   max_grad_norm: float = 1.0
+  """Global gradient norm the update is clipped to."""
   grad_accum: int = 1
   """Micro-batches per optimizer step; the loss is normalized by their total valid tokens."""
 
@@ -137,7 +155,9 @@ class EvalConfig:
   generate: bool = True
   """At the end: generate on held-out prompts with the base and the tuned model, score both."""
   num_prompts: int = 24
+  """Held-out prompts the closing evaluation generates for and scores."""
   max_new_tokens: int = 16
+  """Tokens generated at most per prompt in the closing evaluation."""
 
 
 @dataclasses.dataclass
@@ -180,22 +200,27 @@ class TrainConfig:
   names every layer at once: embed_tokens, norm.weight, layers.self_attn.q_proj.kernel,
   layers.mlp.down_proj.kernel, layers.input_layernorm.weight, lm_head); None: every param."""
   output_dir: str = "runs/default"
+  """The run directory: metrics, checkpoints, adapter (or model), summary, plots."""
   epochs: int = 1
+  """Passes over the training data (when `max_steps` is None)."""
   max_steps: int | None = None
   """Run exactly this many optimizer steps, repeating the data as often as needed (overrides
   `epochs`); None: `epochs` passes over the data."""
   save_every: int = 50
   """Orbax checkpoint (and PEFT adapter) every N steps; 0: only at the end."""
   keep_checkpoints: int = 2
+  """Newest checkpoints kept; older ones are deleted."""
   resume: bool = False
   """Continue from the latest checkpoint in output_dir."""
   seed: int = 0
+  """Seed of the LoRA factors' initialization and of dropout."""
   compile_cache: str | None = "~/.cache/jaxsft/xla"
   """Persistent XLA compilation cache: a rerun with the same shapes skips compiling (None: off;
   the JAX_COMPILATION_CACHE_DIR environment variable wins)."""
   max_nonfinite_steps: int = 3
   """Stop after this many consecutive steps with a non-finite loss or gradient."""
   progress: bool = True
+  """Show a progress bar on stderr."""
 
 
 # Short command-line names for the keys people type most.
@@ -445,7 +470,14 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--config", help="YAML file mirroring the config tree (configs/*.yaml)")
   defaults = TrainConfig()
   reverse_alias = {v: k for k, v in ALIASES.items()}
+  # One help section per part of the config tree, in the tree's order: `--help` reads as the YAML does.
+  groups = {"": parser.add_argument_group("the run")}
+  for key in fields():
+    section = key.rsplit(".", 1)[0] if "." in key else ""
+    if section not in groups:
+      groups[section] = parser.add_argument_group(f"{section}.* ({section} section of the YAML)")
   for key, (tp, doc) in fields().items():
+    group = groups[key.rsplit(".", 1)[0] if "." in key else ""]
     obj = defaults
     for part in key.split("."):
       obj = getattr(obj, part)
@@ -453,9 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
     choices = f" {{{'|'.join(CHOICES[key])}}}" if key in CHOICES else ""
     help_text = f"{doc} [{_type_name(tp)}{choices}; default {obj!r}]".strip()
     if tp is bool:
-      parser.add_argument(*names, dest=key, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+      group.add_argument(*names, dest=key, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
     else:
-      parser.add_argument(*names, dest=key, default=argparse.SUPPRESS, metavar=key.rsplit(".", 1)[-1].upper(), help=help_text)
+      group.add_argument(*names, dest=key, default=argparse.SUPPRESS, metavar=key.rsplit(".", 1)[-1].upper(), help=help_text)
   parser.add_argument("overrides", nargs="*", help="key=value overrides (dotted keys or aliases)")
   return parser
 

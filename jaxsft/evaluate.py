@@ -103,12 +103,25 @@ def format_comparison(out: dict) -> str:
   return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m jaxsft.evaluate", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+  from jaxsft.cli import HelpFormatter
+
+  parser = argparse.ArgumentParser(prog="python -m jaxsft.evaluate", description=__doc__.split("\n\n")[0],
+                                   formatter_class=HelpFormatter)
   parser.add_argument("run_dir", help="a directory written by python -m jaxsft.train")
-  parser.add_argument("--num-prompts", type=int, default=None)
-  parser.add_argument("--max-new-tokens", type=int, default=None)
-  args = parser.parse_args(argv)
+  parser.add_argument("--num-prompts", type=int, default=None,
+                      help="held-out prompts to generate for (default: the run's eval.num_prompts)")
+  parser.add_argument("--max-new-tokens", type=int, default=None,
+                      help="tokens generated at most per prompt (default: the run's eval.max_new_tokens)")
+  return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+  return build_parser().parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = parse_args(argv)
   from jaxsft import errors
 
   return errors.run_cli(lambda: _main(args))

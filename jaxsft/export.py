@@ -233,31 +233,45 @@ def export(model_name: str, adapter: str | None, out: str | pathlib.Path, *, fmt
   return io.replace_directory(out, fill)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+  from jaxsft.cli import HelpFormatter
+
   parser = argparse.ArgumentParser(prog="python -m jaxsft.export", description=__doc__.split("\n\n")[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter,
-                                   epilog=__doc__.split("\n\n", 1)[1])
-  parser.add_argument("run_dir", nargs="?", help="a run directory written by python -m jaxsft.train")
-  parser.add_argument("--model", help="the base model (instead of RUN_DIR)")
-  parser.add_argument("--adapter", help="a PEFT LoRA adapter directory to merge into --model")
-  parser.add_argument("--out", required=True, help="the folder to write (refused if it exists, unless --overwrite)")
-  parser.add_argument("--format", choices=("hf", "gguf"), default="hf")
-  parser.add_argument("--dtype", choices=GGUF_DTYPES, default="float32",
-                      help="weight dtype after the float32 merge (q8_0: GGUF only)")
-  parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-  parser.add_argument("--max-shard-size", default="5GB", help="hf: split model.safetensors past this size")
-  parser.add_argument("--quantize", choices=("none", "int8", "nf4", "int4", "gguf"), default=None,
+                                   formatter_class=HelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+  source = parser.add_argument_group("what to export (a run directory, or a model and an adapter)")
+  source.add_argument("run_dir", nargs="?", help="a run directory written by python -m jaxsft.train")
+  source.add_argument("--model", help="the base model (instead of RUN_DIR)")
+  source.add_argument("--adapter", help="a PEFT LoRA adapter directory to merge into --model")
+  source.add_argument("--quantize", choices=("none", "int8", "nf4", "int4", "gguf"), default=None,
                       help="the base as a run with this model.quantize sees it, dequantized (default: the run's, "
                            "or none)")
-  parser.add_argument("--quant-block-size", type=int, default=None, help="model.quant_block_size of that run (32)")
-  parser.add_argument("--quantize-embeddings", action="store_true", default=None,
+  source.add_argument("--quant-block-size", type=int, default=None, help="model.quant_block_size of that run (32)")
+  source.add_argument("--quantize-embeddings", action="store_true", default=None,
                       help="model.quantize_embeddings of that run: the embeddings and LM head quantized too "
                            "(default: the run's, or off)")
+  output = parser.add_argument_group("what to write")
+  output.add_argument("--out", required=True, help="the folder to write (refused if it exists, unless --overwrite)")
+  output.add_argument("--format", choices=("hf", "gguf"), default="hf",
+                      help="hf: a Hugging Face folder; gguf: one llama.cpp file")
+  output.add_argument("--dtype", choices=GGUF_DTYPES, default="float32",
+                      help="weight dtype after the float32 merge (q8_0: GGUF only)")
+  output.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+  output.add_argument("--max-shard-size", default="5GB", help="hf: split model.safetensors past this size")
+  return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = build_parser()
   args = parser.parse_args(argv)
   if (args.run_dir is None) == (args.model is None):
     parser.error("give RUN_DIR or --model (one of them)")
   if args.adapter and args.run_dir:
     parser.error("--adapter goes with --model; a RUN_DIR brings its own adapter")
+  return args
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
   return errors.run_cli(lambda: _main(args))
 
 

@@ -29,6 +29,13 @@ from typing import IO, Callable, Iterator
 log = logging.getLogger("jaxsft.io")
 
 
+def rename_over(source: str | os.PathLike, target: str | os.PathLike) -> None:
+  """Gives `source` the name `target`, replacing a file or empty folder that had it, in one atomic
+  step (POSIX rename): a reader of `target` finds the old one or the new one, never neither.
+  Every name jaxsft replaces is replaced here, so that guarantee lives in one place."""
+  os.replace(source, target)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[pathlib.Path]:
   """A temp path beside `path` to write; on success it is fsynced and renamed over `path`.
@@ -45,7 +52,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[pathlib.Path]:
     yield tmp
     with open(tmp, "rb") as f:
       os.fsync(f.fileno())
-    os.replace(tmp, path)
+    rename_over(tmp, path)
   finally:
     tmp.unlink(missing_ok=True)
 
@@ -86,8 +93,8 @@ def replace_directory(target: str | os.PathLike, fill: Callable[[pathlib.Path], 
     fill(tmp)
     _fsync_tree(tmp)
     if not _rename_unless_taken(tmp, target) and not _exchange(tmp, target):  # now `tmp` holds the old folder
-      os.replace(target, old)
-      os.replace(tmp, target)
+      rename_over(target, old)
+      rename_over(tmp, target)
     _fsync_dir(target.parent)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
@@ -114,7 +121,7 @@ def remove_directory(target: str | os.PathLike) -> None:
   if not target.exists():
     return
   aside = pathlib.Path(tempfile.mkdtemp(prefix=temp_prefix(target), suffix=".tmp", dir=target.parent))
-  os.replace(target, aside)  # over the fresh empty folder: atomic
+  rename_over(target, aside)  # over the fresh empty folder: atomic
   shutil.rmtree(aside, ignore_errors=True)
 
 
@@ -157,7 +164,7 @@ def remove_leftovers(target: str | os.PathLike) -> list[pathlib.Path]:
     if not match or match["name"] != target.name or _alive(match["host"], int(match["pid"])):
       continue
     if match["kind"] == "old" and not target.exists():
-      os.replace(path, target)
+      rename_over(path, target)
       log.warning("restored %s from %s (left by a writer that stopped mid-swap)", target, path.name)
     elif path.is_dir() and not path.is_symlink():
       shutil.rmtree(path, ignore_errors=True)

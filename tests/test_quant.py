@@ -466,3 +466,28 @@ def test_a_quantized_base_shards_over_fsdp_with_the_same_loss(tmp_path):
   # every kernel's codes, and the embedding table's, really split over the 2 devices
   assert len(result["split"]) == 7 + 1 and all(result["split"])
   np.testing.assert_allclose(result["sharded"], result["reference"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt, embeddings", [("nf4", True), ("int8", False)])
+def test_a_random_quantized_base_is_drawn_in_its_stored_formats(fmt, embeddings):
+  """init_random_quantized (the benchmarks' 8B bases): kernels drawn as codes, norms one, the rest
+  N(0, 0.02²); the abstract draw has the same shapes and dtypes and allocates nothing."""
+  config = dataclasses.replace(TINY, vocab_size=SMALL_VOCAB)
+  model = quant.model.init_random_quantized(config, fmt, seed=0, embeddings=embeddings, dtype="float32")
+  abstract = quant.model.init_random_quantized(config, fmt, seed=0, embeddings=embeddings, abstract=True,
+                                               dtype="float32")
+  assert quant.is_quantized(model) and quant.model.embeddings_quantized(model) == embeddings
+  for _, proj in quant.model.projections(model):
+    assert isinstance(proj.kernel, quant.QuantizedKernel) and proj.kernel.get_value().format == fmt
+  leaves, abstract_leaves = jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(abstract))
+  assert [(x.shape, x.dtype) for x in leaves] == [(x.shape, x.dtype) for x in abstract_leaves]
+  assert all(isinstance(x, jax.ShapeDtypeStruct) for x in abstract_leaves)
+  floats = [(path, v.get_value()) for path, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)]
+  norms = [np.asarray(x) for path, x in floats if "norm" in ".".join(map(str, path))]
+  others = [np.asarray(x).ravel() for path, x in floats if "norm" not in ".".join(map(str, path))]
+  assert norms and all(np.all(x == 1) for x in norms)
+  if embeddings:  # the tiny Llama has no biases: the norms are its only float weights left
+    assert not others
+  else:  # the embedding table (and LM head)
+    others = np.concatenate(others)
+    assert others.size > 1000 and abs(float(others.std()) - 0.02) < 0.002 and abs(float(others.mean())) < 0.002

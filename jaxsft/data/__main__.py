@@ -17,40 +17,57 @@ from jaxsft.data.template import TRAIN_ON
 
 
 def _data_arguments(parser: argparse.ArgumentParser, *, max_length: int, on_error: str) -> None:
-  parser.add_argument("--data", required=True,
-                      help="JSON array or JSONL (.gz ok), parquet/Arrow file, or a folder of parquet shards or "
-                           "from datasets' save_to_disk")
-  parser.add_argument("--model", default="smollm2-135m-instruct", help="tokenizer source (default: %(default)s)")
-  parser.add_argument("--max-length", type=int, default=max_length, help="truncation length (default: %(default)s)")
-  parser.add_argument("--field-map", type=json.loads, default=None,
-                      help='canonical -> file field names, e.g. \'{"instruction": "question", "output": "answer"}\'')
-  parser.add_argument("--format", default="auto", help="record format (default: auto-detect)")
-  parser.add_argument("--train-on", default="all_assistant", choices=TRAIN_ON)
-  parser.add_argument("--on-error", default=on_error, choices=ON_ERROR,
-                      help="raise (the first bad record is an error) or skip (bad records are counted and left "
-                           "out); default: %(default)s")
-  parser.add_argument("--cache-dir", default=None, help="token store folder (default: $JAXSFT_CACHE/tokens, ~/.cache/jaxsft/tokens)")
-  parser.add_argument("--no-cache", action="store_true", help="tokenize in memory, without the token store")
+  data = parser.add_argument_group("the data and its tokenization")
+  data.add_argument("--data", required=True,
+                    help="JSON array or JSONL (.gz ok), parquet/Arrow file, or a folder of parquet shards or "
+                         "from datasets' save_to_disk")
+  data.add_argument("--model", default="smollm2-135m-instruct", help="tokenizer source (default: %(default)s)")
+  data.add_argument("--max-length", type=int, default=max_length, help="truncation length (default: %(default)s)")
+  data.add_argument("--field-map", type=json.loads, default=None,
+                    help='canonical -> file field names, e.g. \'{"instruction": "question", "output": "answer"}\'')
+  data.add_argument("--format", default="auto", help="record format (default: auto-detect)")
+  data.add_argument("--train-on", default="all_assistant", choices=TRAIN_ON,
+                    help="all_assistant: every reply is trained; last: only the final one")
+  data.add_argument("--on-error", default=on_error, choices=ON_ERROR,
+                    help="raise (the first bad record is an error) or skip (bad records are counted and left "
+                         "out); default: %(default)s")
+  data.add_argument("--cache-dir", default=None, help="token store folder (default: $JAXSFT_CACHE/tokens, ~/.cache/jaxsft/tokens)")
+  data.add_argument("--no-cache", action="store_true", help="tokenize in memory, without the token store")
+
+
+def build_parser() -> argparse.ArgumentParser:
+  from jaxsft.cli import HelpFormatter
+
+  parser = argparse.ArgumentParser(prog="python -m jaxsft.data", description=__doc__.split("\n")[0],
+                                   formatter_class=HelpFormatter)
+  sub = parser.add_subparsers(dest="command", required=True)
+  build = sub.add_parser("build", formatter_class=HelpFormatter, help="tokenize a data file into its token store (or find it)")
+  _data_arguments(build, max_length=512, on_error="raise")  # the trainer's defaults: it finds this store
+  stats = sub.add_parser("stats", formatter_class=HelpFormatter, help="length histogram and padded tokens per batching mode")
+  _data_arguments(stats, max_length=1024, on_error="skip")
+  priced = stats.add_argument_group("the batching it prices")
+  priced.add_argument("--buckets", type=int, default=8, help="number of buckets to choose (default: %(default)s)")
+  priced.add_argument("--batch-size", type=int, default=8, help="rows per batch (default: %(default)s)")
+  priced.add_argument("--pad-to-multiple-of", type=int, default=8,
+                      help="batch widths are rounded up to a multiple of this (default: %(default)s)")
+  priced.add_argument("--epochs", type=float, default=1.0, help="epochs the predicted seconds cover (default: %(default)s)")
+  priced.add_argument("--cost-from", default=None, metavar="RUN_DIR",
+                      help="price steps and compiles with the cost a jaxsft run measured (its summary.json); "
+                           "default: the built-in default cost")
+  return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  if args.command == "build" and args.no_cache:
+    parser.error("build writes the token store: --no-cache does not apply")
+  return args
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m jaxsft.data", description=__doc__.split("\n")[0])
-  sub = parser.add_subparsers(dest="command", required=True)
-  build = sub.add_parser("build", help="tokenize a data file into its token store (or find it)")
-  _data_arguments(build, max_length=512, on_error="raise")  # the trainer's defaults: it finds this store
-  stats = sub.add_parser("stats", help="length histogram and padded tokens per batching mode")
-  _data_arguments(stats, max_length=1024, on_error="skip")
-  stats.add_argument("--buckets", type=int, default=8, help="number of buckets to choose (default: %(default)s)")
-  stats.add_argument("--batch-size", type=int, default=8, help="rows per batch (default: %(default)s)")
-  stats.add_argument("--pad-to-multiple-of", type=int, default=8, help="(default: %(default)s)")
-  stats.add_argument("--epochs", type=float, default=1.0, help="epochs the predicted seconds cover (default: %(default)s)")
-  stats.add_argument("--cost-from", default=None, metavar="RUN_DIR",
-                     help="price steps and compiles with the cost a jaxsft run measured (its summary.json); "
-                          "default: the built-in default cost")
-  args = parser.parse_args(argv)
+  args = parse_args(argv)
   logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-  if args.command == "build" and args.no_cache:
-    parser.error("build writes the token store: --no-cache does not apply")
 
   from jaxsft import errors
 

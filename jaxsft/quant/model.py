@@ -187,19 +187,21 @@ def init_random_quantized(config, format: str, *, block: int = formats.DEFAULT_B
     shape = tuple(variable.shape)
     if "norm" in ".".join(map(str, path)):
       variable.set_value(draw(shape, dtype, lambda s: np.ones(s, dtype)))
-      continue
-
-    def normal(s):
-      out = np.empty(s, dtype)
-      flat = out.reshape(-1, s[-1]) if len(s) > 1 else out.reshape(1, -1)
-      for start in range(0, flat.shape[0], 4096):  # row chunks: no float32 copy of a whole embedding
-        chunk = rng.standard_normal((min(4096, flat.shape[0] - start), flat.shape[1]), dtype=np.float32)
-        flat[start:start + 4096] = (chunk * np.float32(0.02)).astype(dtype)
-      return out
-
-    variable.set_value(draw(shape, dtype, normal))
+    else:
+      variable.set_value(draw(shape, dtype, lambda s: _normal_in_rows(rng, s, dtype)))
   model.quantize = format
   return model
+
+
+def _normal_in_rows(rng: np.random.Generator, shape: tuple[int, ...], dtype, std: float = 0.02) -> np.ndarray:
+  """N(0, std²) drawn straight into `dtype`, 4096 rows at a time: no float32 copy of a whole
+  embedding table ever exists."""
+  out = np.empty(shape, dtype)
+  flat = out.reshape(-1, shape[-1]) if len(shape) > 1 else out.reshape(1, -1)
+  for start in range(0, flat.shape[0], 4096):
+    chunk = rng.standard_normal((min(4096, flat.shape[0] - start), flat.shape[1]), dtype=np.float32)
+    flat[start:start + 4096] = (chunk * np.float32(std)).astype(dtype)
+  return out
 
 
 def param_count(tree) -> int:

@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 
+from jaxsft import io
 from jaxsft import sharding as sharding_lib
 from jaxsft.run_files import RunFiles
 from jaxsft.train.state import RunState, TrainingError
@@ -162,7 +163,7 @@ class Checkpoints:
       for step in steps:
         target = aside / str(step)
         shutil.rmtree(target, ignore_errors=True)
-        os.replace(self.files.checkpoints / str(step), target)
+        io.rename_over(self.files.checkpoints / str(step), target)
         log.warning("moved damaged checkpoint %d to %s", step, target)
     if steps:
       sharding_lib.barrier("jaxsft: damaged checkpoints set aside")

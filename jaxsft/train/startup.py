@@ -100,6 +100,29 @@ def setup(cfg: config_lib.TrainConfig) -> tuple[Run, RunState]:
     raise
 
 
+def check_model_settings(cfg: config_lib.TrainConfig) -> None:
+  """Model settings that cannot go together, refused before anything loads."""
+  if cfg.model.quantize_embeddings and cfg.model.quantize == "none":
+    raise config_lib.ConfigError("model.quantize_embeddings=true needs a model.quantize format (int8, nf4, int4 "
+                                 "or gguf) for the embeddings to be stored in")
+  if cfg.model.quantize != "none" and cfg.mode == "full":
+    raise config_lib.ConfigError(f"model.quantize={cfg.model.quantize}: a quantized base is frozen, so it trains "
+                                 f"LoRA adapters only; use mode=lora or model.quantize=none with mode=full")
+
+
+def load_model_to_train(cfg: config_lib.TrainConfig):
+  """(model, tokenizer): the base as the config stores it, with LoRA applied in lora mode."""
+  log.info("loading model %s (%s%s)", cfg.model.name, cfg.model.dtype,
+           "" if cfg.model.quantize == "none" else f", base quantized {cfg.model.quantize}")
+  model, tokenizer = models.load_model(cfg.model.name, dtype=cfg.model.dtype, remat=cfg.model.remat,
+                                       quantize=cfg.model.quantize, quant_block_size=cfg.model.quant_block_size,
+                                       quantize_embeddings=cfg.model.quantize_embeddings)
+  if cfg.mode == "lora":
+    lora_lib.apply_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
+                        target_modules=cfg.lora.target_modules, rslora=cfg.lora.rslora, seed=cfg.seed)
+  return model, tokenizer
+
+
 def _setup(cfg: config_lib.TrainConfig, files: RunFiles, t_start: float) -> tuple[Run, RunState]:
   if not cfg.resume and files.holds_a_run():
     raise config_lib.ConfigError(
@@ -110,22 +133,10 @@ def _setup(cfg: config_lib.TrainConfig, files: RunFiles, t_start: float) -> tupl
   sharding_lib.check_batch_sizes(cfg, mesh)
   sharding_lib.barrier("jaxsft: output dir checked")  # no process writes before all have looked
 
-  if cfg.model.quantize_embeddings and cfg.model.quantize == "none":
-    raise config_lib.ConfigError("model.quantize_embeddings=true needs a model.quantize format (int8, nf4, int4 "
-                                 "or gguf) for the embeddings to be stored in")
-  if cfg.model.quantize != "none" and cfg.mode == "full":
-    raise config_lib.ConfigError(f"model.quantize={cfg.model.quantize}: a quantized base is frozen, so it trains "
-                                 f"LoRA adapters only; use mode=lora or model.quantize=none with mode=full")
+  check_model_settings(cfg)
   log.info("loading data")
   train_records, val_records = load_data(cfg)
-  log.info("loading model %s (%s%s)", cfg.model.name, cfg.model.dtype,
-           "" if cfg.model.quantize == "none" else f", base quantized {cfg.model.quantize}")
-  model, tokenizer = models.load_model(cfg.model.name, dtype=cfg.model.dtype, remat=cfg.model.remat,
-                                       quantize=cfg.model.quantize, quant_block_size=cfg.model.quant_block_size,
-                                       quantize_embeddings=cfg.model.quantize_embeddings)
-  if cfg.mode == "lora":
-    lora_lib.apply_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                        target_modules=cfg.lora.target_modules, rslora=cfg.lora.rslora, seed=cfg.seed)
+  model, tokenizer = load_model_to_train(cfg)
   flop_count = flops_lib.StepFlops.from_model(model, trainable_filter(cfg))
   # The trainable state: the LoRA factors, or the model's own params in full mode.
   graphdef, trainable, frozen = nnx.split(model, trainable_filter(cfg), ...)

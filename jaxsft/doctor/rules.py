@@ -1,134 +1,22 @@
-"""The loss-curve doctor: classify a training curve and say what to change.
-
-`diagnose` reads the per-step training loss (and the validation loss, when there is one) and
-returns one of the patterns of the fine-tuning checklist, with the likely cause and the fix:
-
-  pattern          what the curve does                               likely cause
-  healthy          decreases, then plateaus                          -
-  near_zero_early  ~0 within the first epoch                         LR too high / tiny repetitive data
-  oscillating      swings without a trend (or its gradient norm      LR too high / batch too small
-                   spikes)
-  overfitting      decreases then rises, or train falls while        memorizing the training set
-                   validation rises
-  flat             barely moves                                      LR too low / rank too small / no
-                                                                     gradient reaching the adapter
-  diverging        ends clearly above where it started, near the     LR far too high / numerics
-                   uniform level ln(vocab), or goes non-finite
-  too_noisy        no trend, but too few or too noisy points to      too few steps / trained tokens
-                   have shown the fall a working fine-tune makes     per batch for the noise
-  too_short        fewer than MIN_POINTS finite losses               -
-
-`python -m jaxsft.doctor RUN_DIR` prints the diagnosis of `RUN_DIR/metrics.jsonl`.
-
-Statistics (all robust to the odd spike; n = number of finite train losses):
-
-  k1, k2 = clip(n // 20, 3, 25), clip(n // 10, 3, 50)   points summarized at the start, the end
-  s = rolling median of the loss, centered window w = clip(n // 10, 5, 51) (odd)
-  first, last = median(loss[:k1]), median(loss[-k2:])
-  r = loss - (median of its w - 1 neighbours),  c = sqrt(1 + pi / (2 (w - 1)))
-  noise = 1.4826 * MAD(r) / c               typical per-step (batch) noise, as a Gaussian std
-  se = 1.2533 * rms(r) / c * sqrt(1/k1 + 1/k2)
-                                            std error of (first - last), medians of k1, k2
-                                            points (rms: spikes and excursions move them too)
-  z = Mann-Kendall trend statistic over every point (|z| >= 3: a significant monotone trend)
-  drop = first - last,  rel_drop = drop / first,  noise_rel = noise / max(first, last)
-                                            (the higher level: beside a loss that fell near 0,
-                                            any batch noise would look wild)
-  trend_to_noise = drop / noise             (reported as evidence)
-
-Rules, first match wins:
-
-  1. diverging        a non-finite loss among the last 3, or >= max(3, 5% of n) non-finite
-  2. too_short        n < MIN_POINTS (8)
-  3. diverging        last > first + max(DIVERGE_REL_RISE * first, 3 se) (10%) and z >= 3
-  3a. diverging       collapsed: `last` >= 10% above the very first training loss while the
-                      gradient norm (median of the last k2) fell to GRAD_COLLAPSE (1e-3) of
-                      its largest among the first k2 (the weights were thrown where the output
-                      is flat: the loss sits at the uniform level ln(vocab) and nothing flows
-                      back; without this rule the still curve would read as "flat")
-  3b. diverging       near the uniform level: `last` >= UNIFORM_FRACTION (80%) of ln(vocab
-                      size), the loss of a uniform guess over the vocabulary, and >= 10% above
-                      the very first training loss (a pretrained model starts far below ln V;
-                      ending near it means the updates wrecked the model, however wild the
-                      curve; needs the vocabulary size, which the trainer logs in metrics.jsonl's
-                      config line)
-  3c. diverging       validation (>= 2 points) ends >= 10% above its first value and `last`
-                      is >= 10% above the very first training loss (an early blow-up that
-                      the start median absorbs; checked after rule 4, before overfitting)
-  4. near_zero_early  s < NEAR_ZERO (0.05 nats/token) by the end of the first epoch
-                      (the first half of the run when the epoch length is unknown), unless
-                      validation (>= 2 points) ends at its lowest, >= NEAR_ZERO_VAL_DROP (50%)
-                      below its first value: then the held-out loss confirms a learned task
-  5. overfitting      validation (>= 3 points): its minimum is not the last point, the last
-                      value is >= VAL_RISE_REL (5%) above it (the last two, when two follow it,
-                      >= half that), and train did not rise by more than 2% meanwhile;
-                      or train alone: s falls to a minimum before 85% of the run by
-                      >= max(REBOUND_MIN_DROP * first, 3 se) (10%), then `last` climbs back
-                      >= max(REBOUND_FRACTION * that fall, 3 se) (25%)
-  6. flat,           no meaningful trend: train (rel_drop) and validation both less than
-     oscillating      FLAT_REL_DROP (10%) lower at the end than at the start, or the drop is not
-     or too_noisy     significant by any of: drop >= 2.5 se; Mann-Kendall z <= -TREND_Z (3) over
-                      every point; validation (>= 2 points) 10% lower at its end than at its start.
-                      Then rho = lag-1 autocorrelation around a straight-line fit: batch-to-batch
-                      noise alone is independent (rho ~ 0 +- 1/sqrt(n)), so a noisy curve is not
-                      called oscillating unless |rho| >= max(SWING_AUTOCORR (0.3), 2.5 / sqrt(n))
-                      (persistent swings, or an up-down alternation) or noise_rel >=
-                      WILD_NOISE_REL (75%), or the gradient norm, when logged, rose to GRAD_SPIKE
-                      (4x) its first step's at some step (a model that does not change keeps its
-                      gradient norm; too large an update throws it up, and the loss with it):
-                      oscillating.
-                      "flat" also needs evidence that the model is not changing: validation (>= 2
-                      points: the same held-out set each time, so no batch noise), a curve that
-                      would have shown a fall of DETECT_REL_DROP (25%) of the first level (the
-                      end medians' 2.5 se, or the Mann-Kendall z that a straight fall of that
-                      size in this noise is expected to give, at or past -TREND_Z), or a peak
-                      learning rate under LOW_LR (1e-5: under AdamW each weight moves about lr a
-                      step at most). Without any of them: too_noisy
-  7. healthy          otherwise; "plateaued" when the last quarter of the run holds under
-                      PLATEAU_FRACTION (20%) of the total drop and, with validation, its last
-                      interval fell less than half its average interval
-
-Calibration of GRAD_SPIKE and UNIFORM_FRACTION: 8-step runs of SmolLM2-135M-Instruct (the
-real-run test's settings, no warmup): the largest gradient norm after step 1 was 1.4x the first
-step's at lr 1e-7, 1.3x, 1.3x and 1.6x at lr 1e-4, 3e-4 and 1e-3, and 7.1x at lr 0.01 (which
-spiked the loss from 2.05 to 7.9 and came back); at lr 0.03 and 0.1 the loss ended at 1.06x and
-1.11x ln V (collapsed towards uniform), at lr 0.3 at 1.7-2.7x. The default run (lr 2e-3 after
-warmup, 38 steps, healthy) peaked at 1.7x its first gradient norm.
-
-Calibration of DETECT_REL_DROP: runs that work fall by far more than a quarter (the default run
-99%; 20 steps of the real-run test's settings at lr 3e-3 from 2.05 to ~0.5), yet 8 steps of those
-settings at lr 3e-3 (batch noise 0.69 nats, a third of the first level) fall 42% without a
-significant trend: their expected Mann-Kendall z for a 25% fall is about -0.6, so the curve cannot
-tell a working run from a still one, and its old verdict, "flat", told the user to raise a
-learning rate that was fine.
-
-Calibration: real LoRA runs (r=8, q/v) of SmolLM2-135M-Instruct on the default dataset
-(batch 8, replies of ~8 tokens, so ~60 trained tokens per batch) have batch-to-batch noise of
-~0.7-0.9 nats, 30% of the starting level (lr 2e-4, 40 steps: noise 32% of the end level, rho
--0.06, z -4.0; lr 1e-3, 30 steps: rho +0.16, z -4.6; both "healthy"). That is why noise amplitude
-alone never decides "oscillating" below 75% of the level. At 20 steps of the real-run test's
-settings (~10 trained tokens a batch) lr 1e-3 fell from 2.05 to ~0.3 with noise of 0.7 nats, a
-third of the first level and twice the last: against the last level it read "oscillating".
-
-`python -m benchmarks.doctor_sweep` trains such runs and diagnoses each (verdicts, losses, gradient
-norms and validation in benchmarks/results/doctor_sweep*.md: 8 steps at nine rates, 24 steps with
-and without validation). It runs with XLA's default flags, so the wildest runs end elsewhere than
-the figures above (lr 0.1 at 1.67x ln V).
-"""
+"""The doctor's rules: from a loss curve's statistics to one pattern, its likely cause and fix
+(the rules, their order and thresholds are in the package docstring)."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
-import pathlib
-import sys
 from typing import Any, Sequence
 
 import numpy as np
 
-from jaxsft import errors, run_files
+from jaxsft.doctor.statistics import (_lag1_autocorrelation, _mann_kendall_expected_z, _mann_kendall_z, _noise,
+                                      smooth, smoothing_window)
+
+__all__ = ["MIN_POINTS", "NEAR_ZERO", "NEAR_ZERO_VAL_DROP", "DIVERGE_REL_RISE", "GRAD_COLLAPSE",
+           "GRAD_SPIKE", "UNIFORM_FRACTION", "VAL_RISE_REL", "REBOUND_MIN_DROP", "REBOUND_FRACTION",
+           "REBOUND_MIN_POSITION", "FLAT_REL_DROP", "TREND_Z", "SWING_AUTOCORR", "WILD_NOISE_REL",
+           "PLATEAU_FRACTION", "DETECT_REL_DROP", "LOW_LR", "PATTERNS", "Diagnosis", "diagnose"]
+
 
 MIN_POINTS = 8
 NEAR_ZERO = 0.05
@@ -151,6 +39,7 @@ LOW_LR = 1e-5
 
 PATTERNS = ("healthy", "near_zero_early", "oscillating", "overfitting", "flat", "diverging", "too_noisy",
             "too_short")
+
 
 _ADVICE = {
     "healthy": ("the loss decreases, then levels off: training is working", "nothing to fix"),
@@ -204,65 +93,6 @@ def _fmt(value: Any) -> str:
   if isinstance(value, float):
     return f"{value:.4g}"
   return str(value)
-
-
-def smooth(values: Sequence[float], window: int) -> np.ndarray:
-  """Centered rolling median; windows shrink at the ends (robust to single-step spikes)."""
-  x = np.asarray(values, dtype=np.float64)
-  half = max(int(window), 1) // 2
-  if x.size == 0 or half == 0:
-    return x.copy()
-  padded = np.pad(x, half, constant_values=np.nan)
-  windows = np.lib.stride_tricks.sliding_window_view(padded, 2 * half + 1)
-  return np.nanmedian(windows, axis=1)
-
-
-def _noise(x: np.ndarray, window: int) -> tuple[float, float]:
-  """Per-step noise from each point's distance to the median of its neighbours: (robust, rms).
-
-  The robust one (MAD) is the typical batch-to-batch noise; the rms one also counts spikes and
-  excursions, which move the end medians, so the standard error uses it.
-
-  The point itself is left out of its window (so the residual is not shrunk towards it), and
-  the spread of a median of m Gaussian neighbours (variance ~ pi/2 sigma^2 / m) is divided out.
-  """
-  half = window // 2
-  padded = np.pad(x, half, constant_values=np.nan)
-  windows = np.lib.stride_tricks.sliding_window_view(padded, 2 * half + 1).copy()
-  windows[:, half] = np.nan
-  resid = x - np.nanmedian(windows, axis=1)
-  correction = math.sqrt(1 + math.pi / 2 / (2 * half))
-  mad = 1.4826 * float(np.median(np.abs(resid - np.median(resid))))
-  rms = float(np.sqrt(np.mean(np.square(resid))))
-  return max(mad / correction, 1e-12), max(rms / correction, 1e-12)
-
-
-def _mann_kendall_z(x: np.ndarray, max_points: int = 400) -> float:
-  """Mann-Kendall trend statistic: z < -3 is a significant decrease (any monotone shape).
-
-  Long series are first reduced to `max_points` block medians (the test is O(n^2)).
-  """
-  if x.size > max_points:
-    x = np.array([np.median(b) for b in np.array_split(x, max_points)])
-  n = x.size
-  i, j = np.triu_indices(n, 1)
-  s = float(np.sign(x[j] - x[i]).sum())
-  var = n * (n - 1) * (2 * n + 5) / 18.0
-  return (s - math.copysign(1.0, s)) / math.sqrt(var) if s else 0.0
-
-
-def _lag1_autocorrelation(x: np.ndarray) -> float:
-  """Lag-1 autocorrelation around a straight-line fit: ~0 (+-1/sqrt(n)) for batch noise alone."""
-  t = np.arange(x.size, dtype=np.float64)
-  r = x - np.polyval(np.polyfit(t, x, 1), t)
-  denom = float(np.dot(r, r))
-  return float(np.dot(r[:-1], r[1:]) / denom) if denom > 0 else 0.0
-
-
-def smoothing_window(n: int) -> int:
-  """The rolling-median window for n points: clip(n // 10, 5, 51), made odd (centered)."""
-  w = int(np.clip(n // 10, 5, 51))
-  return w if w % 2 else w + 1
 
 
 def _make(pattern: str, summary: str, evidence: dict[str, Any], *, fix: str | None = None) -> Diagnosis:
@@ -545,27 +375,6 @@ def _peak_lr(learning_rate: Sequence[float] | None, evidence: dict[str, Any]) ->
   return peak
 
 
-def _mann_kendall_expected_z(n: int, fall: float, noise: float, max_points: int = 400) -> float:
-  """The Mann-Kendall z that a straight fall of `fall` over n points, with Gaussian noise of
-  std `noise`, is expected to give (0 for no fall, <= -3 when the test would usually see it).
-
-  With d = fall / (n - 1) a step, the pair k steps apart has x_j - x_i ~ N(-k d, 2 noise^2), so
-  E[sign(x_j - x_i)] = -erf(k d / (2 noise)), E[S] = -sum_k (n - k) erf(k d / (2 noise)), and the
-  expected z is E[S] / sd(S) (no continuity correction: a mean, not a test).
-  Beyond `max_points` the test reads block medians (`_mann_kendall_z`): fewer, quieter points.
-  """
-  if n > max_points:
-    noise *= math.sqrt(math.pi / 2 * max_points / n)  # a median of m Gaussian points: pi/2 sigma^2 / m
-    n = max_points
-  if n < 2:
-    return 0.0
-  k = np.arange(1, n)
-  d = fall / (n - 1)
-  s = -float(np.sum((n - k) * np.vectorize(math.erf)(k * d / (2 * max(noise, 1e-12)))))
-  var = n * (n - 1) * (2 * n + 5) / 18.0
-  return s / math.sqrt(var)
-
-
 def _finite_validation(val_steps, val_loss) -> tuple[np.ndarray, np.ndarray]:
   """The finite validation points (steps, losses) in step order; empty without validation."""
   if val_steps is None or val_loss is None:
@@ -605,34 +414,3 @@ def _validation_overfit(steps: np.ndarray, s: np.ndarray, vs: np.ndarray, vl: np
     return (f"validation loss rose {rise:.0%} from its best ({vmin:.4g} at step {int(vs[j])}) "
             f"to {vlast:.4g} while the training loss went {t_change:+.0%}")
   return None
-
-
-def diagnose_run(run_dir: str | pathlib.Path) -> Diagnosis:
-  """The diagnosis of RUN_DIR/metrics.jsonl (or of that file)."""
-  m = run_files.read_metrics(run_dir)
-  return diagnose(m.train_steps, m.train_loss, val_steps=m.val_steps or None,
-                  val_loss=m.val_loss or None, steps_per_epoch=m.steps_per_epoch,
-                  grad_norm=m.train_grad_norm if len(m.train_grad_norm) == len(m.train_steps) else None,
-                  vocab_size=m.vocab_size, learning_rate=m.train_lr or None)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(
-      prog="python -m jaxsft.doctor",
-      description="Classify a run's loss curve (RUN_DIR/metrics.jsonl) and print the likely "
-                  "cause and the fix.")
-  parser.add_argument("run_dir", help="a training output folder holding metrics.jsonl (or the file)")
-  parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
-  args = parser.parse_args(argv)
-  def body():
-    try:
-      diagnosis = diagnose_run(args.run_dir)
-    except FileNotFoundError as e:  # read_metrics names the run folder
-      raise run_files.MetricsError(str(e)) from None
-    print(json.dumps(dataclasses.asdict(diagnosis), indent=2) if args.json else diagnosis.report())
-
-  return errors.run_cli(body)
-
-
-if __name__ == "__main__":
-  sys.exit(main())
