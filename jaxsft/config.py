@@ -193,6 +193,11 @@ class TrainConfig:
   compile_cache: str | None = "~/.cache/jaxsft/xla"
   """Persistent XLA compilation cache: a rerun with the same shapes skips compiling (None: off;
   the JAX_COMPILATION_CACHE_DIR environment variable wins)."""
+  neftune_noise_alpha: float | None = None
+  """NEFTune (TRL's name): while training, add uniform noise U(-a, a), a = alpha / sqrt(L·d), to the
+  input embeddings, L a sequence's real (unpadded) length and d the hidden size; TRL's examples use
+  5 to 15. None or 0: off. Never in evaluation, generation or export; drawn from `seed` and the
+  micro-batch index, so a resumed run draws the same noise."""
   max_nonfinite_steps: int = 3
   """Stop after this many consecutive steps with a non-finite loss or gradient."""
   progress: bool = True
@@ -215,6 +220,7 @@ ALIASES = {
     "peak-flops": "logging.peak_flops",
     "json": "logging.json",
     "quiet": "logging.quiet",
+    "neftune-noise-alpha": "neftune_noise_alpha",
 }
 CHOICES = {
     "mode": ("lora", "full"),
@@ -257,7 +263,7 @@ RANGES = {
     "eval.eval_every": _at_least(0), "eval.early_stopping_patience": _at_least(1), "eval.num_prompts": _at_least(0),
     "eval.max_new_tokens": _at_least(1),
     "epochs": _at_least(1), "max_steps": _at_least(1), "save_every": _at_least(0), "keep_checkpoints": _at_least(1),
-    "max_nonfinite_steps": _at_least(1),
+    "max_nonfinite_steps": _at_least(1), "neftune_noise_alpha": _at_least(0),
 }
 
 

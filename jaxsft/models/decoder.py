@@ -375,14 +375,17 @@ class CausalLM(nnx.Module):
     return table_value(self.embed_tokens if self.lm_head is None else self.lm_head, self.dtype)
 
   def hidden_states(self, input_ids, attention_mask=None, positions=None, segment_ids=None, *,
-                    dropout_rng=None) -> jax.Array:
-    """Final-normed hidden states (B, T, H) in the activation dtype."""
+                    dropout_rng=None, embeddings_hook=None) -> jax.Array:
+    """Final-normed hidden states (B, T, H) in the activation dtype.
+
+    `embeddings_hook`: a function applied to the input embeddings (B, T, H) before the first
+    layer (the training step's NEFTune noise); None: the embeddings as they are."""
     input_ids = jnp.asarray(input_ids)
     b, t = input_ids.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     masks = [attention_mask_4d(b, t, attention_mask, segment_ids, w) for w in self.windows]
-    h, _ = self._decoder(input_ids, positions, masks, dropout_rng=dropout_rng)
+    h, _ = self._decoder(input_ids, positions, masks, dropout_rng=dropout_rng, embeddings_hook=embeddings_hook)
     return h
 
   def init_cache(self, batch_size: int, num_slots: int) -> KVCache:
@@ -412,7 +415,7 @@ class CausalLM(nnx.Module):
     return h
 
   def _decoder(self, input_ids, positions, masks, *, dropout_rng=None, cache: KVCache | None = None,
-               cache_start=0) -> tuple[jax.Array, KVCache | None]:
+               cache_start=0, embeddings_hook=None) -> tuple[jax.Array, KVCache | None]:
     """Embed, run the scanned layer stack, final norm: (hidden states, updated cache or None).
 
     `masks` holds one mask per distinct window (`self.windows`); with several, each layer picks
@@ -422,6 +425,8 @@ class CausalLM(nnx.Module):
                           rotary_dim=self.config.rotary_dim)
               for kind in self.rope_kinds]
     h = self.embed(input_ids)
+    if embeddings_hook is not None:
+      h = embeddings_hook(h)
 
     graphdef, layer_state = nnx.split(self.layers)
     keys = None if dropout_rng is None else jax.random.split(dropout_rng, self.config.num_layers)
