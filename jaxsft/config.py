@@ -56,6 +56,11 @@ class LoraConfig:
   """Projections of the decoder layers, or all-linear: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj)."""
   rslora: bool = False
   """Scale by alpha/sqrt(r) instead of alpha/r."""
+  use_dora: bool = False
+  """DoRA (peft's name): also train a magnitude per output of every targeted projection, the adapted
+  weight's columns W + s·A B rescaled to it (their norm held constant in the gradient, as peft does).
+  Saved in peft's format (lora_magnitude_vector), merged by export. Costs one norm of each adapted
+  weight per step."""
 
 
 @dataclasses.dataclass

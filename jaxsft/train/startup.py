@@ -125,7 +125,8 @@ def _setup(cfg: config_lib.TrainConfig, files: RunFiles, t_start: float) -> tupl
                                        quantize_embeddings=cfg.model.quantize_embeddings)
   if cfg.mode == "lora":
     lora_lib.apply_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                        target_modules=cfg.lora.target_modules, rslora=cfg.lora.rslora, seed=cfg.seed)
+                        target_modules=cfg.lora.target_modules, rslora=cfg.lora.rslora,
+                        use_dora=cfg.lora.use_dora, seed=cfg.seed)
   flop_count = flops_lib.StepFlops.from_model(model, trainable_filter(cfg))
   # The trainable state: the LoRA factors, or the model's own params in full mode.
   graphdef, trainable, frozen = nnx.split(model, trainable_filter(cfg), ...)
