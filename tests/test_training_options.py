@@ -41,3 +41,18 @@ def test_dora_and_neftune_train_save_and_resume_exactly(tiny_dir, tmp_path, trai
   q0 = base["model.layers.0.self_attn.q_proj.weight"]  # (out, in): the norm over the input dim
   trained = magnitudes["base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"]
   assert np.abs(trained - np.linalg.norm(q0, axis=1)).max() > 1e-4
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--neftune-noise-alpha", "-1"], ["neftune_noise_alpha", ">= 0", "-1"]),
+    (["neftune_noise_alpha=nan"], ["neftune_noise_alpha", "finite"]),
+    (["lora.use_dora=maybe"], ["lora.use_dora", "'maybe'", "bool"]),
+])
+def test_a_bad_option_value_is_one_error_line_and_writes_nothing(argv, words, tmp_path, train_main):
+  out = tmp_path / "never"
+  r = train_main(["--output-dir", out, *argv])
+  lines = r.stderr.strip().splitlines()
+  assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+  for w in words:
+    assert w in lines[0], (w, lines[0])
+  assert not out.exists()
