@@ -59,6 +59,11 @@ class LoraConfig:
   """Projections of the decoder layers, or all-linear: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj)."""
   rslora: bool = False
   """Scale by alpha/sqrt(r) instead of alpha/r."""
+  use_dora: bool = False
+  """DoRA (peft's name): also train a magnitude per output of every targeted projection, the adapted
+  weight's columns W + s·A B rescaled to it (their norm held constant in the gradient, as peft does).
+  Saved in peft's format (lora_magnitude_vector), merged by export. Costs one norm of each adapted
+  weight per step."""
 
 
 @dataclasses.dataclass
@@ -217,6 +222,11 @@ class TrainConfig:
   compile_cache: str | None = "~/.cache/jaxsft/xla"
   """Persistent XLA compilation cache: a rerun with the same shapes skips compiling (None: off;
   the JAX_COMPILATION_CACHE_DIR environment variable wins)."""
+  neftune_noise_alpha: float | None = None
+  """NEFTune (TRL's name): while training, add uniform noise U(-a, a), a = alpha / sqrt(L·d), to the
+  input embeddings, L a sequence's real (unpadded) length and d the hidden size; TRL's examples use
+  5 to 15. None or 0: off. Never in evaluation, generation or export; drawn from `seed` and the
+  micro-batch index, so a resumed run draws the same noise."""
   max_nonfinite_steps: int = 3
   """Stop after this many consecutive steps with a non-finite loss or gradient."""
   progress: bool = True
@@ -240,6 +250,7 @@ ALIASES = {
     "peak-flops": "logging.peak_flops",
     "json": "logging.json",
     "quiet": "logging.quiet",
+    "neftune-noise-alpha": "neftune_noise_alpha",
 }
 CHOICES = {
     "mode": ("lora", "full"),
@@ -282,7 +293,7 @@ RANGES = {
     "eval.eval_every": _at_least(0), "eval.early_stopping_patience": _at_least(1), "eval.num_prompts": _at_least(0),
     "eval.max_new_tokens": _at_least(1),
     "epochs": _at_least(1), "max_steps": _at_least(1), "save_every": _at_least(0), "keep_checkpoints": _at_least(1),
-    "max_nonfinite_steps": _at_least(1),
+    "max_nonfinite_steps": _at_least(1), "neftune_noise_alpha": _at_least(0),
 }
 
 

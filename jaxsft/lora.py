@@ -17,6 +17,13 @@ way, (L, in, r) and (L, r, out), and apply them with a two-matmul expression
 
 PEFT stores per layer `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` of
 shape (r, in) and `...lora_B.weight` of shape (out, r): the transposes of layer i's A and B.
+
+DoRA (`use_dora`, peft's `LoraConfig(use_dora=True)`) adds a trained magnitude m per output of
+every targeted projection, initialized to the adapted weight's column norms ‖W + s·A B‖ (= ‖W‖,
+B being 0), so the model again starts equal to the base; `Linear` holds the forward math. PEFT
+stores it per layer as `...q_proj.lora_magnitude_vector` of shape (out,). Merged, the kernel is
+
+  W' = (W + s·A B) · diag(m / ‖W + s·A B‖).
 """
 
 from __future__ import annotations
@@ -58,7 +65,8 @@ class AdapterError(JaxsftError, ValueError):
   """A PEFT adapter jaxsft cannot load as it is (the message names the file and the field)."""
 
 
-_PEFT_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_PEFT_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\."
+                       r"(?:lora_([AB])\.weight|lora_(magnitude)_vector)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +76,7 @@ class LoraSettings:
   dropout: float
   target_modules: tuple[str, ...]
   rslora: bool
+  use_dora: bool = False
 
   @property
   def scale(self) -> float:
@@ -115,10 +124,11 @@ def lora_settings(model) -> LoraSettings | None:
 
 def apply_lora(model, *, r: int = 8, alpha: float = 16, dropout: float = 0.0,
                target_modules: str | Sequence[str] = ("q_proj", "v_proj"), rslora: bool = False,
-               seed: int = 0):
+               use_dora: bool = False, seed: int = 0):
   """Add LoRA factors to `model`'s projections IN PLACE and return the same model.
 
-  A ~ U(-1/√in, 1/√in) (PEFT's kaiming-uniform with a=√5), B = 0, both float32 `nnx.LoRAParam`.
+  A ~ U(-1/√in, 1/√in) (PEFT's kaiming-uniform with a=√5), B = 0, both float32 `nnx.LoRAParam`;
+  with `use_dora` also DoRA's magnitude m = ‖W‖ over the input axis (float32 `nnx.LoRAParam`).
   Re-applying replaces existing adapters.
   """
   if r <= 0:
@@ -136,9 +146,22 @@ def apply_lora(model, *, r: int = 8, alpha: float = 16, dropout: float = 0.0,
                                                    jnp.float32, -bound, bound))
     proj.lora_b = nnx.LoRAParam(jnp.zeros((layers, r, fan_out), jnp.float32))
   settings = LoraSettings(r=r, alpha=float(alpha), dropout=float(dropout), target_modules=names,
-                          rslora=bool(rslora))
+                          rslora=bool(rslora), use_dora=bool(use_dora))
+  if use_dora:
+    for name in names:
+      proj = _projection(model, name)
+      proj.lora_magnitude = nnx.LoRAParam(_weight_norm(proj, settings.scale))
   _set_scales(model, settings)
   return model
+
+
+def _weight_norm(proj, scale: float) -> jax.Array:
+  """‖W + s·A B‖ over the input axis of every layer of `proj`: (L, out) float32 (the base
+  dequantized first when quantized, as peft's `dequantize_module_weight`)."""
+  from jaxsft.models.decoder import dora_weight_norm
+  from jaxsft.quant.kernel import kernel_value
+
+  return dora_weight_norm(kernel_value(proj.kernel, jnp.float32), proj.lora_a[...], proj.lora_b[...], scale)
 
 
 def _set_scales(model, settings: LoraSettings):
@@ -153,14 +176,15 @@ def remove_lora(model):
   """Drop every LoRA factor (without merging)."""
   for name in module_paths(model):
     proj = _projection(model, name)
-    proj.lora_a = proj.lora_b = None
+    proj.lora_a = proj.lora_b = proj.lora_magnitude = None
     proj.lora_scale, proj.lora_dropout = 0.0, 0.0
   model.lora_settings = None
   return model
 
 
 def merge_lora(model):
-  """Fold s · A B into the base kernels (in the base dtype) and remove the adapters, in place."""
+  """Fold s · A B into the base kernels (in the base dtype) and remove the adapters, in place;
+  DoRA: W' = (W + s·A B) · diag(m / ‖W + s·A B‖), the norm over the input axis (peft's merge)."""
   settings = lora_settings(model)
   if settings is None:
     raise ValueError("merge_lora: the model has no LoRA adapters")
@@ -169,7 +193,10 @@ def merge_lora(model):
     kernel = proj.kernel[...]
     delta = jnp.einsum("lir,lro->lio", proj.lora_a[...], proj.lora_b[...],
                        precision=jax.lax.Precision.HIGHEST) * settings.scale
-    proj.kernel.set_value((kernel.astype(jnp.float32) + delta).astype(kernel.dtype))
+    merged = kernel.astype(jnp.float32) + delta
+    if proj.lora_magnitude is not None:
+      merged = merged * (proj.lora_magnitude[...] / jnp.linalg.norm(merged, axis=-2))[:, None, :]
+    proj.kernel.set_value(merged.astype(kernel.dtype))
   return remove_lora(model)
 
 
@@ -188,13 +215,14 @@ def peft_adapter_config(settings: LoraSettings, base_model_name_or_path: str | N
       "megatron_core": "megatron.core", "modules_to_save": None, "peft_type": "LORA",
       "r": settings.r, "rank_pattern": {}, "revision": None,
       "target_modules": sorted(settings.target_modules), "target_parameters": None,
-      "task_type": "CAUSAL_LM", "trainable_token_indices": None, "use_dora": False,
+      "task_type": "CAUSAL_LM", "trainable_token_indices": None, "use_dora": settings.use_dora,
       "use_qalora": False, "use_rslora": settings.rslora,
   }
 
 
 def adapter_tensors(model) -> dict[str, np.ndarray]:
-  """PEFT-named float32 tensors: per layer lora_A (r, in) and lora_B (out, r)."""
+  """PEFT-named float32 tensors: per layer lora_A (r, in) and lora_B (out, r) (DoRA: and
+  lora_magnitude_vector (out,))."""
   settings = lora_settings(model)
   if settings is None:
     raise ValueError("the model has no LoRA adapters (call apply_lora or load_adapter first)")
@@ -209,6 +237,8 @@ def adapter_tensors(model) -> dict[str, np.ndarray]:
       key = f"base_model.model.model.layers.{i}.{prefix}"
       out[f"{key}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
       out[f"{key}.lora_B.weight"] = np.ascontiguousarray(b[i].T)
+      if proj.lora_magnitude is not None:
+        out[f"{key}.lora_magnitude_vector"] = np.ascontiguousarray(np.asarray(proj.lora_magnitude[...][i], np.float32))
   return out
 
 
@@ -242,7 +272,7 @@ def _read_adapter_config(path: pathlib.Path) -> dict:
   if config.get("peft_type") != "LORA":
     raise AdapterError(f"{path}: field peft_type is {config.get('peft_type')!r}; only LORA adapters load")
   unsupported = {
-      "use_dora": False, "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
+      "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
       "layers_to_transform": None, "layer_replication": None, "lora_bias": False,
       "trainable_token_indices": None, "target_parameters": None,
   }
@@ -264,8 +294,9 @@ def _read_adapter_config(path: pathlib.Path) -> dict:
     raise AdapterError(f"{path}: field lora_alpha must be a finite number > 0, got {alpha!r}")
   if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout < 1:
     raise AdapterError(f"{path}: field lora_dropout must be in [0, 1), got {dropout!r}")
-  if not isinstance(config.get("use_rslora", False), bool):
-    raise AdapterError(f"{path}: field use_rslora must be true or false, got {config['use_rslora']!r}")
+  for field in ("use_rslora", "use_dora"):
+    if not isinstance(config.get(field, False), bool):
+      raise AdapterError(f"{path}: field {field} must be true or false, got {config[field]!r}")
   return config
 
 
@@ -282,7 +313,8 @@ def load_adapter(model, directory: str | os.PathLike):
   r = int(config["r"])
   num_layers = model.config.num_layers
   paths = module_paths(model)
-  found = _adapter_tensors_by_module(model, tensors, r, weights_path)
+  use_dora = bool(config.get("use_dora", False))
+  found = _adapter_tensors_by_module(model, tensors, r, weights_path, use_dora)
   declared = config.get("target_modules")
   if isinstance(declared, (list, tuple)) and set(found) - set(declared):
     raise ValueError(f"{directory / ADAPTER_CONFIG}: target_modules {declared} does not list "
@@ -301,8 +333,11 @@ def load_adapter(model, directory: str | os.PathLike):
                                             jnp.float32))
     proj.lora_b = nnx.LoRAParam(jnp.asarray(np.stack([layers[i]["B"].T for i in range(num_layers)]),
                                             jnp.float32))
+    if use_dora:
+      proj.lora_magnitude = nnx.LoRAParam(jnp.asarray(np.stack([layers[i]["magnitude"] for i in range(num_layers)]),
+                                                      jnp.float32))
   settings = LoraSettings(r=r, alpha=float(config["lora_alpha"]), dropout=float(config.get("lora_dropout", 0.0)),
-                          target_modules=names, rslora=bool(config.get("use_rslora", False)))
+                          target_modules=names, rslora=bool(config.get("use_rslora", False)), use_dora=use_dora)
   _set_scales(model, settings)
   return model
 
@@ -319,11 +354,11 @@ def _read_adapter_weights(weights_path: pathlib.Path) -> dict[str, np.ndarray]:
     raise AdapterError(f"{weights_path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
 
 
-def _adapter_tensors_by_module(model, tensors: dict[str, np.ndarray], r: int, weights_path: pathlib.Path
-                               ) -> dict[str, dict[int, dict[str, np.ndarray]]]:
-  """module -> layer -> "A"/"B" -> the PEFT tensor, each checked against `model` (its module,
-  layer and shape) and every targeted module complete in every layer; ValueError naming the
-  tensor otherwise."""
+def _adapter_tensors_by_module(model, tensors: dict[str, np.ndarray], r: int, weights_path: pathlib.Path,
+                               use_dora: bool = False) -> dict[str, dict[int, dict[str, np.ndarray]]]:
+  """module -> layer -> "A"/"B" ("magnitude" with `use_dora`) -> the PEFT tensor, each checked
+  against `model` (its module, layer and shape) and every targeted module complete in every
+  layer; ValueError naming the tensor otherwise."""
   num_layers = model.config.num_layers
   paths = module_paths(model)
   found: dict[str, dict[int, dict[str, np.ndarray]]] = {}
@@ -331,14 +366,17 @@ def _adapter_tensors_by_module(model, tensors: dict[str, np.ndarray], r: int, we
     m = _PEFT_KEY.match(key)
     if m is None:
       raise ValueError(f"{weights_path}: tensor {key!r} is not a LoRA A/B weight of a decoder projection")
-    layer, group, module, which = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+    layer, group, module, which = int(m.group(1)), m.group(2), m.group(3), m.group(4) or m.group(5)
+    if which == "magnitude" and not use_dora:
+      raise ValueError(f"{weights_path}: tensor {key!r} is a DoRA magnitude, but adapter_config.json has no "
+                       f"use_dora: true")
     if module not in paths or paths[module][0] != group:
       raise ValueError(f"{weights_path}: tensor {key!r} targets module {group}.{module}, which "
                        f"{model.config.architecture} does not have (its modules: {list(paths)})")
     if layer >= num_layers:
       raise ValueError(f"{weights_path}: tensor {key!r} is for layer {layer}, the model has {num_layers}")
     _, fan_in, fan_out = _projection(model, module).kernel.shape
-    expected = (r, fan_in) if which == "A" else (fan_out, r)
+    expected = {"A": (r, fan_in), "B": (fan_out, r), "magnitude": (fan_out,)}[which]
     if value.shape != expected:
       raise ValueError(f"{weights_path}: tensor {key!r} has shape {value.shape}, expected {expected} "
                        f"(r={r}; adapter made for another base model?)")
@@ -347,10 +385,11 @@ def _adapter_tensors_by_module(model, tensors: dict[str, np.ndarray], r: int, we
     raise ValueError(f"{weights_path}: no LoRA tensors")
   for module, layers in found.items():
     for layer in range(num_layers):
-      for which in "AB":
+      for which in ("A", "B", "magnitude") if use_dora else ("A", "B"):
         if which not in layers.get(layer, {}):
+          name = "lora_magnitude_vector" if which == "magnitude" else f"lora_{which}.weight"
           raise ValueError(f"{weights_path}: tensor base_model.model.model.layers.{layer}."
-                           f"{'.'.join(paths[module])}.lora_{which}.weight is missing")
+                           f"{'.'.join(paths[module])}.{name} is missing")
   return found
 
 

@@ -33,6 +33,7 @@ from flax import nnx
 
 from jaxsft import config as config_lib
 from jaxsft import loss as loss_lib
+from jaxsft import neftune
 from jaxsft import sharding as sharding_lib
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "positions", "segment_ids")
@@ -172,12 +173,17 @@ def loss_chunk_size() -> int:
 
 def make_step_functions(graphdef, cfg: config_lib.TrainConfig) -> StepFunctions:
   dropout = cfg.lora.dropout > 0
+  neftune_alpha = cfg.neftune_noise_alpha or 0.0  # None or 0: no noise
   base_key = jax.random.key(cfg.seed)
 
-  def nll_sum(trainable, frozen, batch, rng):
+  def nll_sum(trainable, frozen, batch, rng, noise_rng=None):
+    """Σ nll, Σ valid of `batch`; `rng`: the dropout key, `noise_rng`: NEFTune's (None: none)."""
     model = nnx.merge(graphdef, trainable, frozen)
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-    hidden = model.hidden_states(**inputs, dropout_rng=rng)
+    hook = None
+    if noise_rng is not None:
+      hook = neftune.embedding_noise(noise_rng, neftune_alpha, batch.get("attention_mask"), batch.get("segment_ids"))
+    hidden = model.hidden_states(**inputs, dropout_rng=rng, embeddings_hook=hook)
     # The LM head only at trained positions, in chunks, each chunk's gradient beside its loss.
     return loss_lib.trained_cross_entropy_sum(hidden, model.output_embedding(), batch["labels"],
                                               chunk_size=loss_chunk_size())
@@ -188,7 +194,10 @@ def make_step_functions(graphdef, cfg: config_lib.TrainConfig) -> StepFunctions:
 
   def accumulate(acc, trainable, frozen, batch, micro_index):
     rng = jax.random.fold_in(base_key, micro_index) if dropout else None
-    (nll, n_valid), grads = jax.value_and_grad(nll_sum, has_aux=True)(trainable, frozen, batch, rng)
+    # NEFTune's key, like dropout's, follows from the seed and the micro-batch index: a resumed
+    # run draws the noise the uninterrupted one would have.
+    noise_rng = neftune.noise_key(base_key, micro_index) if neftune_alpha > 0 else None
+    (nll, n_valid), grads = jax.value_and_grad(nll_sum, has_aux=True)(trainable, frozen, batch, rng, noise_rng)
     return {"grads": jax.tree.map(jnp.add, acc["grads"], grads), "nll": acc["nll"] + nll,
             "n_valid": acc["n_valid"] + n_valid}
 
@@ -203,7 +212,7 @@ def make_step_functions(graphdef, cfg: config_lib.TrainConfig) -> StepFunctions:
                              "grad_norm": optax.tree.norm(grads), "finite": finite, "lr": lr}
 
   def evaluate(trainable, frozen, batch):
-    return nll_sum(trainable, frozen, batch, None)
+    return nll_sum(trainable, frozen, batch, None)  # no dropout, no NEFTune noise
 
   return StepFunctions(zeros=zeros, accumulate=accumulate, apply=apply, evaluate=evaluate)
 

@@ -95,6 +95,77 @@ def test_lora_math_matches_a_dense_update():
     np.testing.assert_allclose(np.asarray(merged(x)), np.asarray(dense(x)), rtol=1e-5, atol=1e-5)
 
 
+def dora(m, seed=0):
+  """A DoRA adapter away from its init: B ≠ 0 and m ≠ ‖W + s·A B‖."""
+  randomize_b(m, seed)
+  for i, name in enumerate(m.lora_settings.target_modules):
+    proj = lora._projection(m, name)
+    proj.lora_magnitude.set_value(proj.lora_magnitude[...] * (1 + 0.3 * jax.random.normal(jax.random.key(50 + i), proj.lora_magnitude.shape)))
+  return m
+
+
+def test_dora_math_matches_the_rescaled_dense_weight_and_merges_to_it():
+  """y = x W' with W' = (W + s·A B) · diag(m / ‖W + s·A B‖), the norm over the input axis."""
+  m = dora(lora.apply_lora(model(), r=4, alpha=12, target_modules=("o_proj",), use_dora=True))
+  proj = m.layers.self_attn.o_proj
+  kernel = np.asarray(proj.kernel[...], np.float64)
+  assert proj.lora_magnitude.shape == (TINY.num_layers, kernel.shape[-1])
+  adapted = kernel + np.einsum("lir,lro->lio", np.asarray(proj.lora_a[...], np.float64),
+                               np.asarray(proj.lora_b[...], np.float64)) * 3.0
+  rescaled = adapted * (np.asarray(proj.lora_magnitude[...], np.float64) / np.linalg.norm(adapted, axis=1))[:, None, :]
+  dense = hf_weights.from_hf_state_dict(TINY, hf_weights.to_hf_state_dict(m))
+  dense.layers.self_attn.o_proj.kernel.set_value(jnp.asarray(rescaled, jnp.float32))
+  x = ids()
+  with jax.default_matmul_precision("highest"):
+    np.testing.assert_allclose(np.asarray(m(x)), np.asarray(dense(x)), rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(m(x)) - np.asarray(model()(x))).max() > 1e-3  # DoRA changed the output
+    merged = lora.merge_lora(m)
+    assert merged.lora_settings is None and merged.layers.self_attn.o_proj.lora_magnitude is None
+    np.testing.assert_allclose(np.asarray(merged.layers.self_attn.o_proj.kernel[...]), rescaled, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(merged(x)), np.asarray(dense(x)), rtol=1e-5, atol=1e-5)
+
+
+def test_dora_with_dropout_is_peft_formula_and_the_norm_gets_no_gradient():
+  """With dropout peft adds (g − 1)·x_d W + g·s·x_d A B to x W, x_d = dropout(x); and ∂/∂A, ∂/∂B
+  treat the norm as a constant (peft detaches it)."""
+  proj = decoder.Linear(8, 6, bias=True, stack=(), dtype="float32", rng_index=0, rngs=nnx.Rngs(0))
+  proj.bias.set_value(jnp.arange(6, dtype=jnp.float32) * 0.1)
+  proj.lora_a = nnx.LoRAParam(jax.random.normal(jax.random.key(1), (8, 2)))
+  proj.lora_b = nnx.LoRAParam(jax.random.normal(jax.random.key(2), (2, 6)))
+  proj.lora_magnitude = nnx.LoRAParam(jnp.linspace(0.5, 1.5, 6))
+  proj.lora_scale, proj.lora_dropout = 2.0, 0.5
+  x = jax.random.normal(jax.random.key(3), (5, 8))
+  key = jax.random.key(4)
+  keep = jax.random.bernoulli(jax.random.fold_in(key, 0), 0.5, x.shape)
+  x_d = jnp.where(keep, x / 0.5, 0)
+  w, a, b, mag = (np.asarray(v, np.float64) for v in (proj.kernel[...], proj.lora_a[...], proj.lora_b[...],
+                                                      proj.lora_magnitude[...]))
+  g = mag / np.linalg.norm(w + 2.0 * a @ b, axis=0)
+  x64, x_d64 = np.asarray(x, np.float64), np.asarray(x_d, np.float64)
+  expected = x64 @ w + np.asarray(proj.bias[...]) + (g - 1) * (x_d64 @ w) + g * 2.0 * (x_d64 @ a @ b)
+  with jax.default_matmul_precision("highest"):
+    np.testing.assert_allclose(np.asarray(proj(x, key)), expected, rtol=1e-5, atol=1e-5)
+    # The gradient with the norm held constant: g as a fixed array, differentiated by hand through B only.
+    grad_b = nnx.grad(lambda p: jnp.sum(p(x) ** 2), argnums=nnx.DiffState(0, nnx.LoRAParam))(proj)["lora_b"][...]
+  y = x64 @ w + np.asarray(proj.bias[...]) + (g - 1) * (x64 @ w) + g * 2.0 * (x64 @ a @ b)
+  expected_grad_b = 2.0 * (x64 @ a).T @ (2 * y * g)  # ∂Σy²/∂B with g constant
+  np.testing.assert_allclose(np.asarray(grad_b), expected_grad_b, rtol=1e-4, atol=1e-4)
+
+
+def test_dora_adapter_saves_in_peft_format_and_loads_back(tmp_path):
+  m = dora(lora.apply_lora(model(), r=4, alpha=8, target_modules=("q_proj", "up_proj"), use_dora=True))
+  lora.save_adapter(m, tmp_path)
+  tensors = load_file(str(tmp_path / "adapter_model.safetensors"))
+  assert len(tensors) == 3 * 2 * 3
+  mag = tensors["base_model.model.model.layers.1.mlp.up_proj.lora_magnitude_vector"]
+  assert mag.shape == (48,)
+  np.testing.assert_array_equal(mag, np.asarray(m.layers.mlp.up_proj.lora_magnitude[...])[1])
+  assert json.loads((tmp_path / "adapter_config.json").read_text())["use_dora"] is True
+  fresh = lora.load_adapter(model(), tmp_path)
+  assert fresh.lora_settings == m.lora_settings and fresh.lora_settings.use_dora
+  np.testing.assert_array_equal(np.asarray(fresh(ids())), np.asarray(m(ids())))
+
+
 @pytest.mark.slow
 def test_dropout_needs_a_key_and_is_per_key():
   m = randomize_b(lora.apply_lora(model(), r=4, dropout=0.5))
@@ -161,11 +232,43 @@ def test_load_errors_name_the_tensor(tmp_path):
   write_adapter(tmp_path, adapter_tensors(layers=4))
   with pytest.raises(ValueError, match="layers.3.*layer 3"):
     lora.load_adapter(model(), tmp_path)
+  # DoRA: use_dora needs every layer's magnitude of the right shape, and a magnitude needs use_dora.
   write_adapter(tmp_path, adapter_tensors(), use_dora=True)
-  with pytest.raises(ValueError, match="use_dora"):
+  with pytest.raises(ValueError, match=r"layers.0.self_attn.q_proj.lora_magnitude_vector is missing"):
+    lora.load_adapter(model(), tmp_path)
+  magnitudes = {f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_magnitude_vector": np.ones(32, np.float32)
+                for i in range(3)}
+  write_adapter(tmp_path, {**adapter_tensors(), **magnitudes})
+  with pytest.raises(ValueError, match=r"lora_magnitude_vector.*DoRA.*use_dora"):
+    lora.load_adapter(model(), tmp_path)
+  write_adapter(tmp_path, {**adapter_tensors(), **magnitudes}, use_dora="yes")
+  with pytest.raises(ValueError, match="use_dora must be true or false"):
+    lora.load_adapter(model(), tmp_path)
+  magnitudes["base_model.model.model.layers.2.self_attn.q_proj.lora_magnitude_vector"] = np.ones(31, np.float32)
+  write_adapter(tmp_path, {**adapter_tensors(), **magnitudes}, use_dora=True)
+  with pytest.raises(ValueError, match=r"layers.2.self_attn.q_proj.lora_magnitude_vector.*\(31,\).*\(32,\)"):
     lora.load_adapter(model(), tmp_path)
   write_adapter(tmp_path, adapter_tensors(), peft_type="IA3")
   with pytest.raises(ValueError, match="peft_type"):
     lora.load_adapter(model(), tmp_path)
   with pytest.raises(FileNotFoundError, match="adapter_config.json"):
     lora.load_adapter(model(), tmp_path / "nowhere")
+
+
+@pytest.mark.slow
+def test_dora_on_a_quantized_base_norms_the_dequantized_kernel():
+  """A quantized base (QLoRA + DoRA): m starts at the dequantized kernel's column norms (peft
+  dequantizes too), so the model starts at the quantized base, and the magnitude trains."""
+  from jaxsft.quant import model as quant_model
+  from jaxsft.quant.kernel import kernel_value
+
+  m = quant_model.quantize_model(model(), "nf4", block=16)
+  x = ids()
+  base = np.asarray(m(x))
+  lora.apply_lora(m, r=4, alpha=8, use_dora=True, target_modules=("q_proj", "down_proj"))
+  proj = m.layers.mlp.down_proj
+  np.testing.assert_allclose(np.asarray(proj.lora_magnitude[...]),
+                             np.linalg.norm(np.asarray(kernel_value(proj.kernel, jnp.float32)), axis=1), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(m(x)), base, rtol=1e-5, atol=1e-5)
+  grads = nnx.grad(lambda m: loss.masked_cross_entropy(m(x), x), argnums=nnx.DiffState(0, nnx.LoRAParam))(m)
+  assert np.abs(np.asarray(grads["layers"]["mlp"]["down_proj"]["lora_magnitude"][...])).max() > 0

@@ -119,10 +119,20 @@ low_rank_product.defvjp(_low_rank_fwd, _low_rank_bwd)
 
 
 class Linear(nnx.Module):
-  """y = x @ kernel (+ bias) (+ scale * dropout(x) @ lora_a @ lora_b).
+  """y = x @ kernel (+ bias) (+ scale * dropout(x) @ lora_a @ lora_b), or its DoRA form.
 
   LoRA factors are `nnx.LoRAParam`s set by `jaxsft.lora.apply_lora` (None when absent); they
   stay float32 and are cast to the activations' dtype at use, like PEFT's autocast of adapters.
+
+  DoRA (`lora_magnitude` (out,) set too), as peft's `DoraLinearLayer` computes it, with
+  x_d = dropout(x) (x itself without dropout) and W = kernel (in, out):
+
+      n = ‖W + s·A B‖ over the input axis (one norm per output; constant: no gradient),
+      g = m / n,
+      y = x W + (g − 1) ⊙ (x_d W) + g ⊙ s · x_d A B (+ bias)
+
+  which without dropout is g ⊙ (x W + s · x A B) (+ bias): the adapted weight's columns
+  rescaled to the trained magnitude m.
   """
 
   def __init__(self, in_features: int, out_features: int, *, bias: bool, stack: tuple[int, ...],
@@ -134,14 +144,15 @@ class Linear(nnx.Module):
     # data (not static) attributes: `apply_lora` later puts LoRAParams here
     self.lora_a: nnx.LoRAParam | None = nnx.data(None)
     self.lora_b: nnx.LoRAParam | None = nnx.data(None)
+    self.lora_magnitude: nnx.LoRAParam | None = nnx.data(None)  # DoRA's m, (out,) per layer
     self.lora_scale = 0.0
     self.lora_dropout = 0.0
     self.rng_index = rng_index  # folds the layer's dropout key into a per-projection key
 
   def __call__(self, x: jax.Array, dropout_rng: jax.Array | None = None) -> jax.Array:
-    y = matmul(x, kernel_value(self.kernel, self.dtype))  # a quantized base is dequantized here (jaxsft.quant)
-    if self.bias is not None:
-      y = y + self.bias[...].astype(y.dtype)
+    kernel = kernel_value(self.kernel, self.dtype)  # a quantized base is dequantized here (jaxsft.quant)
+    base = matmul(x, kernel)
+    y = base if self.bias is None else base + self.bias[...].astype(base.dtype)
     if self.lora_a is not None:
       lora_x = x
       if dropout_rng is not None and self.lora_dropout > 0.0:
@@ -150,8 +161,27 @@ class Linear(nnx.Module):
         lora_x = jnp.where(jax.random.bernoulli(key, keep, x.shape), x / keep, 0).astype(x.dtype)
       a = self.lora_a[...].astype(x.dtype)
       b = self.lora_b[...].astype(x.dtype)
-      y = y + low_rank_product(lora_x, a, b) * jnp.asarray(self.lora_scale, x.dtype)
+      lora = low_rank_product(lora_x, a, b) * jnp.asarray(self.lora_scale, x.dtype)
+      if self.lora_magnitude is None:
+        y = y + lora
+      else:
+        g = dora_column_scale(kernel, self.lora_a[...], self.lora_b[...], self.lora_scale,
+                              self.lora_magnitude[...]).astype(x.dtype)
+        base_d = base if lora_x is x else matmul(lora_x, kernel)  # peft reruns the base product on x_d
+        y = y + (g - 1) * base_d + g * lora  # peft's order of the sums
     return y
+
+
+def dora_column_scale(kernel: jax.Array, a: jax.Array, b: jax.Array, scale: float, magnitude: jax.Array) -> jax.Array:
+  """g = m / ‖W + s·A B‖ (norm over the input axis, in float32), with the norm a constant of
+  the gradient (peft detaches it, as the DoRA paper's section 4.3 advises): (out,)."""
+  return magnitude / jax.lax.stop_gradient(dora_weight_norm(kernel, a, b, scale))
+
+
+def dora_weight_norm(kernel: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
+  """‖W + s·A B‖₂ over the input axis (−2) of a (…, in, out) kernel, in float32: (…, out)."""
+  delta = jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+  return jnp.linalg.norm(kernel.astype(jnp.float32) + scale * delta, axis=-2)
 
 
 class RMSNorm(nnx.Module):
@@ -375,14 +405,17 @@ class CausalLM(nnx.Module):
     return table_value(self.embed_tokens if self.lm_head is None else self.lm_head, self.dtype)
 
   def hidden_states(self, input_ids, attention_mask=None, positions=None, segment_ids=None, *,
-                    dropout_rng=None) -> jax.Array:
-    """Final-normed hidden states (B, T, H) in the activation dtype."""
+                    dropout_rng=None, embeddings_hook=None) -> jax.Array:
+    """Final-normed hidden states (B, T, H) in the activation dtype.
+
+    `embeddings_hook`: a function applied to the input embeddings (B, T, H) before the first
+    layer (the training step's NEFTune noise); None: the embeddings as they are."""
     input_ids = jnp.asarray(input_ids)
     b, t = input_ids.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     masks = [attention_mask_4d(b, t, attention_mask, segment_ids, w) for w in self.windows]
-    h, _ = self._decoder(input_ids, positions, masks, dropout_rng=dropout_rng)
+    h, _ = self._decoder(input_ids, positions, masks, dropout_rng=dropout_rng, embeddings_hook=embeddings_hook)
     return h
 
   def init_cache(self, batch_size: int, num_slots: int) -> KVCache:
@@ -412,7 +445,7 @@ class CausalLM(nnx.Module):
     return h
 
   def _decoder(self, input_ids, positions, masks, *, dropout_rng=None, cache: KVCache | None = None,
-               cache_start=0) -> tuple[jax.Array, KVCache | None]:
+               cache_start=0, embeddings_hook=None) -> tuple[jax.Array, KVCache | None]:
     """Embed, run the scanned layer stack, final norm: (hidden states, updated cache or None).
 
     `masks` holds one mask per distinct window (`self.windows`); with several, each layer picks
@@ -422,6 +455,8 @@ class CausalLM(nnx.Module):
                           rotary_dim=self.config.rotary_dim)
               for kind in self.rope_kinds]
     h = self.embed(input_ids)
+    if embeddings_hook is not None:
+      h = embeddings_hook(h)
 
     graphdef, layer_state = nnx.split(self.layers)
     keys = None if dropout_rng is None else jax.random.split(dropout_rng, self.config.num_layers)

@@ -119,7 +119,8 @@ def load_model_to_train(cfg: config_lib.TrainConfig):
                                        quantize_embeddings=cfg.model.quantize_embeddings)
   if cfg.mode == "lora":
     lora_lib.apply_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                        target_modules=cfg.lora.target_modules, rslora=cfg.lora.rslora, seed=cfg.seed)
+                        target_modules=cfg.lora.target_modules, rslora=cfg.lora.rslora,
+                        use_dora=cfg.lora.use_dora, seed=cfg.seed)
   return model, tokenizer
 
 

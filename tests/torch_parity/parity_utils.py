@@ -122,6 +122,8 @@ def peft_named_grads(jax_model, grads) -> dict[str, np.ndarray]:
     proj = lora._projection(holder, name)
     proj.lora_a.set_value(src["lora_a"][...])
     proj.lora_b.set_value(src["lora_b"][...])
+    if proj.lora_magnitude is not None:  # DoRA
+      proj.lora_magnitude.set_value(src["lora_magnitude"][...])
   return lora.adapter_tensors(holder)
 
 
@@ -130,7 +132,9 @@ def torch_lora_grads(peft_model) -> dict[str, np.ndarray]:
   for name, p in peft_model.named_parameters():
     if "lora_" in name:
       assert p.grad is not None, name
-      out[name.replace(".default", "")] = p.grad.detach().numpy().copy()
+      # peft's parameter lora_magnitude_vector.default.weight is saved as lora_magnitude_vector
+      out[name.replace(".default", "").replace("lora_magnitude_vector.weight", "lora_magnitude_vector")] = \
+          p.grad.detach().numpy().copy()
   return out
 
 
