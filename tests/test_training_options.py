@@ -1,4 +1,4 @@
-"""The trainer with issue #56's options on a tiny model: DoRA and NEFTune together train, save a
+"""The trainer with DoRA and NEFTune on a tiny model: together they train, save a
 peft DoRA adapter and resume exactly (the noise of a step follows from the seed and the step)."""
 
 import json
