@@ -155,3 +155,39 @@ def test_the_library_installs_no_handlers_unless_asked():
     assert signal.getsignal(signal.SIGTERM) is mine
   finally:
     signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.slow  # two trainer processes
+def test_a_signal_to_one_of_two_processes_stops_both_at_the_same_step(tiny_model_dir, tmp_path):  # noqa: F811
+  """Process 1 alone is signalled, after step 3: both processes stop after the same step, both
+  save their part of that step's checkpoint (their data positions), both exit 143."""
+  import socket
+
+  import worker_threads
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  run = tmp_path / "run"
+  args = tiny_train_args(tiny_model_dir, run, *COMMON, "max_steps=1000", "save_every=0")
+  procs = []
+  for pid in range(2):
+    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": worker_threads.xla_flags("--xla_force_host_platform_device_count=1"),
+           "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid)}
+    if pid == 1:
+      env.update(SIGNAL_AT_STEP="3", SIGNAL="SIGTERM")
+    procs.append(start_runner(args, **env))
+  try:
+    outputs = [p.communicate(timeout=400) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  assert [p.returncode for p in procs] == [143, 143], "\n=====\n".join(err[-4000:] for _, err in outputs)
+  assert "stopping at step 3 on SIGTERM (another process's)" in outputs[0][1]
+  assert "stopping at step 3 on SIGTERM" in outputs[1][1]
+  summary = json.loads((run / "summary.json").read_text())  # process 0's
+  assert (summary["stopped"], summary["signal"], summary["steps"], summary["checkpoint_step"]) == ("signal", "SIGTERM", 3, 3)
+  assert whole_checkpoints(run) == [3]
+  saved = sorted(p.name for p in (run / "checkpoints" / "3" / "data_iter").iterdir() if p.suffix == ".json")
+  assert saved == ["process_0-of-2.json", "process_1-of-2.json"]

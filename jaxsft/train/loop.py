@@ -295,7 +295,8 @@ def run_loop(run: Run, state: RunState, batches: DevicePrefetch, stop: StopSigna
           complete(pending)
           run.files.log(pending)
           progress.update(pending)
-        log.warning("stopping at step %d on %s", state.step, stop.signal_name() or "another process's signal")
+        log.warning("stopping at step %d on %s%s", state.step, stop.signal_name(),
+                    "" if stop.received else " (another process's)")
         return STOPPED_BY_SIGNAL
       record = train_step(run, state, batches)
       if pending is not None:

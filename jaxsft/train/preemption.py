@@ -17,8 +17,7 @@ import signal
 import threading
 
 import jax
-
-from jaxsft import sharding as sharding_lib
+import numpy as np
 
 log = logging.getLogger("jaxsft.train")
 
@@ -39,7 +38,8 @@ class StopSignals:
   """
 
   def __init__(self):
-    self.received: int | None = None
+    self.received: int | None = None  # the first signal this process caught
+    self.stopping_on: int | None = None  # the signal the run stops on: this process's or another's
     self._previous: dict[int, object] = {}
 
   def __enter__(self) -> "StopSignals":
@@ -70,13 +70,19 @@ class StopSignals:
     """Whether to stop at this step boundary. With several processes a collective: every process
     calls it at the same boundary and all get the same answer (one signalled process stops all of
     them at the same step, so every process saves the same checkpoint)."""
-    here = self.received is not None
     if jax.process_count() == 1:
-      return here
-    return bool(sharding_lib.sum_over_processes([int(here)])[0])
+      self.stopping_on = self.received
+    else:
+      from jax.experimental import multihost_utils
+
+      caught = np.asarray(multihost_utils.process_allgather(np.int32(self.received or 0))).ravel()
+      caught = caught[caught > 0]
+      self.stopping_on = int(caught[0]) if caught.size else None
+    return self.stopping_on is not None
 
   def signal_name(self) -> str | None:
-    return None if self.received is None else signal.Signals(self.received).name
+    """The name of the signal the run stops on (another process's, with several)."""
+    return None if self.stopping_on is None else signal.Signals(self.stopping_on).name
 
 
 class NoStopSignals(StopSignals):

@@ -64,6 +64,8 @@ def train_and_finish(run: Run, state: RunState, iterator, stop: StopSignals | No
       else:
         save_on_signal(run, state)
       run.checkpoints.manager.wait_until_finished()  # the run stops only once its checkpoint is whole
+      # Asked of every process alike: with several, orbax answers with a collective.
+      newest_checkpoint = run.checkpoints.manager.latest_step()
   finally:
     batches.close()
     run.checkpoints.close()
@@ -72,7 +74,10 @@ def train_and_finish(run: Run, state: RunState, iterator, stop: StopSignals | No
                      stop_signal=stop.signal_name() if stopped == STOPPED_BY_SIGNAL else None)
   if stopped == STOPPED_BY_SIGNAL:
     # A preempted machine has seconds left: no plot, doctor or evaluation, only the summary.
-    finish_stopped(run, result)
+    finish_stopped(run, result, newest_checkpoint)
+    # The command line then exits at once (no interpreter teardown): no process may leave while
+    # another is still in a collective of the save, or that one aborts on the missing peer.
+    sharding_lib.barrier("jaxsft: stopped on a signal")
     return result
   trainable, frozen = state.trainable, run.frozen
   if jax.process_count() > 1:

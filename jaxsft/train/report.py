@@ -67,15 +67,15 @@ def finish(run: Run, result: RunResult, model) -> None:
     print(summary_text(files, summary, result), flush=True)
 
 
-def finish_stopped(run: Run, result: RunResult) -> None:
+def finish_stopped(run: Run, result: RunResult, saved: int | None) -> None:
   """The summary of a run a signal stopped (`stopped: "signal"`): what it reached and where
-  `--resume` goes on from; nothing slow (a preempted machine may have seconds left)."""
+  `--resume` goes on from (`saved`, the newest checkpoint's step); nothing slow (a preempted
+  machine may have seconds left)."""
   from jaxsft import run_files
 
   files = run.files
   if not files.writer:
     return
-  saved = run.checkpoints.manager.latest_step()
   summary = {
       "steps": result.steps, "final_loss": result.final_loss, "first_val_loss": result.first_val_loss,
       "val_loss": result.val_loss, "warmup_compiles": result.compiles_warmup, "recompiles": result.recompiles,
