@@ -19,7 +19,7 @@ import typing
 from typing import Any
 
 from jaxsft.data import BATCHING, FORMATS, ON_ERROR, TRAIN_ON  # the data package owns its allowed values
-from jaxsft.errors import JaxsftError
+from jaxsft.errors import JaxsftError, one_line
 from jaxsft.quant.formats import DEFAULT_BLOCK
 
 
@@ -416,7 +416,12 @@ def apply_overrides(config: TrainConfig, overrides: dict[str, Any], source: str 
     *parents, leaf = key.split(".")
     for p in parents:
       obj = getattr(obj, p)
-    value = coerce(key, tp, value)
+    try:
+      value = coerce(key, tp, value)
+    except ConfigError as e:  # a file's bad value names the file (the command line's names its key alone)
+      if source == "command line":
+        raise
+      raise ConfigError(f"{source}: {e}") from None
     check_range(key, value, source)
     setattr(obj, leaf, value)
   return config
@@ -450,9 +455,11 @@ def load_yaml(path: str | pathlib.Path, base: TrainConfig | None = None) -> Trai
   if not path.is_file():
     raise ConfigError(f"config file {path} does not exist")
   try:
-    tree = yaml.safe_load(path.read_text()) or {}
+    tree = yaml.safe_load(path.read_bytes().decode("utf-8")) or {}
+  except UnicodeDecodeError as e:
+    raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r})") from None
   except yaml.YAMLError as e:
-    raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    raise ConfigError(f"{path}: not valid YAML: {one_line(e)}") from None
   if not isinstance(tree, dict):
     raise ConfigError(f"{path}: the top level must be a mapping of config keys")
   return apply_overrides(base or TrainConfig(), flatten_yaml(tree, str(path)), source=str(path))

@@ -49,6 +49,11 @@ class _OSErrorInText(OSError):
   carrier = ""
 
 
+def one_line(text: str) -> str:
+  """A library's message made to fit the `error:` line (pyarrow's and PyYAML's span lines)."""
+  return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
+
+
 def environment_failure(error: BaseException) -> OSError | None:
   """The OSError behind `error` (itself, or along its cause/context chain) when it is an
   environment failure (disk full, permission, missing path); None otherwise. A library error

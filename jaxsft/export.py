@@ -230,7 +230,8 @@ def export(model_name: str, adapter: str | None, out: str | pathlib.Path, *, fmt
       write_gguf(tmp / "model.gguf", config, tensors, tokenizer, dtype, source_gguf,
                  name=pathlib.Path(model_name).name + ("-tuned" if adapter else ""))
 
-  return io.replace_directory(out, fill)
+  with io.naming_the_target(out):
+    return io.replace_directory(out, fill)
 
 
 def build_parser() -> argparse.ArgumentParser:

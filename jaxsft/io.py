@@ -73,6 +73,22 @@ def write_json(path: str | os.PathLike, obj) -> pathlib.Path:
   return write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
+@contextlib.contextmanager
+def naming_the_target(target: str | os.PathLike) -> Iterator[None]:
+  """A write into `target` that fails for the machine (a full disk, a read-only file system)
+  names `target` when the error itself names no path: safetensors' and numpy's writers say only
+  "No space left on device". A failure that names its path, and any other error, is left as it is."""
+  from jaxsft import errors
+
+  try:
+    yield
+  except Exception as e:
+    failure = errors.environment_failure(e)
+    if failure is None or failure.filename:
+      raise
+    raise OSError(failure.errno, failure.strerror or os.strerror(failure.errno), os.fspath(target)) from e
+
+
 def replace_directory(target: str | os.PathLike, fill: Callable[[pathlib.Path], None]) -> pathlib.Path:
   """`fill(tmp_dir)` into a fresh folder beside `target`, then swap it in for `target`.
 

@@ -260,11 +260,13 @@ def save_adapter(model, directory: str | os.PathLike, *, base_model_name_or_path
 
 def _read_adapter_config(path: pathlib.Path) -> dict:
   try:
-    config = json.loads(path.read_text())
+    config = json.loads(path.read_text(encoding="utf-8"))
   except FileNotFoundError:
     raise FileNotFoundError(f"{path}: no adapter_config.json (not a PEFT adapter directory)") from None
   except json.JSONDecodeError as e:
     raise AdapterError(f"{path}: line {e.lineno}: invalid JSON ({e.msg})") from None
+  except UnicodeDecodeError as e:
+    raise AdapterError(f"{path}: not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r})") from None
   except RecursionError:
     raise AdapterError(f"{path}: JSON nested too deeply to be an adapter config") from None
   if not isinstance(config, dict):

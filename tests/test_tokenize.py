@@ -285,4 +285,5 @@ def test_a_conversation_the_template_refuses_is_a_bad_record(tokenizer, tmp_path
     tokenize_records(tok, load_records(path), max_length=64)  # the fast path's direct render refuses it too
   report = SkipReport()
   records, _ = tokenize_file(tok, path, max_length=64, on_error="skip", report=report)
-  assert len(records) == 1 and report.skipped == [("line 2", "the chat template rejects the conversation: no refusals here")]
+  assert len(records) == 1 and [where for where, _ in report.skipped] == ["line 2"]
+  assert report.skipped[0][1].startswith("the chat template rejects the conversation: no refusals here (the template of ")

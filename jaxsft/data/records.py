@@ -35,10 +35,11 @@ import logging
 import os
 import pathlib
 import sys
+import zlib
 from typing import Any, Callable, Iterator
 
 from jaxsft.data.json_array import BOM, JsonTextError, Utf8Reader, read_json_array, utf8_error
-from jaxsft.errors import JaxsftError
+from jaxsft.errors import JaxsftError, one_line
 
 logger = logging.getLogger("jaxsft.data")
 
@@ -215,8 +216,8 @@ def _read_raw(path: str) -> Iterator[tuple[str, Any]]:
         yield from _read_jsonl(f)
   except JsonTextError as e:
     raise DataError(e.reason, path=path, where=f"line {e.line}") from None
-  except (OSError, EOFError, gzip.BadGzipFile) as e:
-    raise DataError(f"cannot read: {e}", path=path) from None
+  except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as e:  # zlib: a damaged .gz stream
+    raise DataError(f"cannot read: {one_line(e)}", path=path) from None
 
 
 def _first_byte(f) -> bytes | None:
@@ -303,7 +304,7 @@ def _read_arrow(path: str) -> Iterator[tuple[str, Any]]:
           yield f"{name}row {row}", raw
           row += 1
     except (OSError, pa.ArrowException) as e:
-      raise DataError(f"cannot read {file}: {e}", path=path) from None
+      raise DataError(f"cannot read {file}: {one_line(e)}", path=path) from None
 
 
 def normalize_record(raw: Any, *, fmt: str = "auto", field_map: dict[str, str] | None = None) -> dict:

@@ -397,8 +397,9 @@ def open_or_build(path, tokenizer, *, max_length: int, train_on: str = "all_assi
   tmp = pathlib.Path(tempfile.mkdtemp(prefix=io.temp_prefix(final), suffix=".tmp", dir=root))
   tmp.chmod(0o755)  # mkdtemp makes it private; a store is as readable as any cache file
   try:
-    build_store(tmp, path, tokenizer, max_length=max_length, train_on=train_on, fmt=fmt, field_map=field_map,
-                on_error=on_error, key_parts=parts)
+    with io.naming_the_target(final):  # a full disk's error names no path of its own
+      build_store(tmp, path, tokenizer, max_length=max_length, train_on=train_on, fmt=fmt, field_map=field_map,
+                  on_error=on_error, key_parts=parts)
     try:
       os.rename(tmp, final)  # atomic; fails if another process renamed its build in first
     except OSError:

@@ -69,6 +69,7 @@ import weakref
 from typing import Callable
 
 from jaxsft.data.records import DataError
+from jaxsft.errors import one_line
 
 PLAIN_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -85,15 +86,27 @@ Spans = list[tuple[int, int]]
 
 def render_chat(tokenizer, messages, *, generation_prompt: bool = False) -> str:
   """`messages` rendered as text with the tokenizer's chat template (`PLAIN_CHAT_TEMPLATE` when it
-  has none); a conversation the template's `raise_exception` refuses raises `DataError`."""
+  has none); a conversation the template's `raise_exception` (or jinja's sandbox) refuses, or a
+  template that does not compile, raises `DataError` naming the tokenizer's folder."""
+  import jinja2
+
   try:
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=generation_prompt,
         chat_template=None if getattr(tokenizer, "chat_template", None) else PLAIN_CHAT_TEMPLATE)
+  except jinja2.TemplateSyntaxError as e:
+    raise DataError(f"the chat template of {_template_source(tokenizer)} does not compile: line {e.lineno}: "
+                    f"{one_line(e.message or e)}") from None
   except Exception as e:
     if _template_rejects(e):
-      raise DataError(f"the chat template rejects the conversation: {e}") from None
+      raise DataError(f"the chat template rejects the conversation: {one_line(e)} (the template of "
+                      f"{_template_source(tokenizer)})") from None
     raise
+
+
+def _template_source(tokenizer) -> str:
+  """Where the tokenizer (and so its chat template) was loaded from, for an error line."""
+  return getattr(tokenizer, "name_or_path", None) or "the tokenizer"
 
 
 def _template_rejects(e: Exception) -> bool:

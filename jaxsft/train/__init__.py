@@ -16,6 +16,7 @@ the run writes is `jaxsft.run_files`. Everything the loop changes lives in one `
     data_plan.py    records, the held-out split, `DataPlan`: one tokenization, the batch shapes
     prefetch.py     `DevicePrefetch`: batches put on the devices while a step runs
     checkpoints.py  `Checkpoints`: orbax saves with the Grain position, damaged ones set aside
+    preemption.py   `StopSignals`: SIGTERM / SIGINT finish the step, save a checkpoint and stop
     state.py        `RunState`, `TrainingError`, `RunResult`
 """
 
@@ -27,17 +28,18 @@ from jaxsft.train.prefetch import DevicePrefetch
 from jaxsft.train.checkpoints import Checkpoints, SavedIteratorState
 from jaxsft.train.startup import (Run, account_collation, build_steps, param_paths, probe_step_cost, resolve_peak_flops,
                                 setup, start_or_resume, trainable_filter, warm_up)
-from jaxsft.train.report import ProgressBar, finish, summary_text
+from jaxsft.train.preemption import NoStopSignals, StopSignals
+from jaxsft.train.report import ProgressBar, finish, finish_stopped, summary_text
 from jaxsft.train.loop import (StepDuties, account_step, all_finite, discard_poisoned_checkpoint, end_of_run,
-                               finish_record, record_validation, run_loop, save_checkpoint, save_full_model, save_tuned,
-                               train_step, validate, validate_base)
+                               finish_record, record_validation, run_loop, save_checkpoint, save_full_model, save_on_signal,
+                               save_tuned, train_step, validate, validate_base)
 from jaxsft.train.recipe import RunResult, main, train, train_and_finish
 
 __all__ = [
-    "Checkpoints", "DataPlan", "DevicePrefetch", "ProgressBar", "Run", "RunResult", "RunState", "SavedIteratorState",
-    "StepDuties", "TrainingError", "account_collation", "account_step", "all_finite", "build_steps",
-    "discard_poisoned_checkpoint", "end_of_run", "finish", "finish_record", "load_data", "load_file", "main", "param_paths",
+    "Checkpoints", "DataPlan", "DevicePrefetch", "NoStopSignals", "ProgressBar", "Run", "RunResult", "RunState",
+    "SavedIteratorState", "StepDuties", "StopSignals", "TrainingError", "account_collation", "account_step", "all_finite", "build_steps",
+    "discard_poisoned_checkpoint", "end_of_run", "finish", "finish_record", "finish_stopped", "load_data", "load_file", "main", "param_paths",
     "plan_data", "probe_step_cost", "record_validation", "resolve_peak_flops", "run_loop", "save_checkpoint",
-    "save_full_model", "save_tuned", "setup", "start_or_resume", "summary_text", "train", "train_and_finish",
+    "save_full_model", "save_on_signal", "save_tuned", "setup", "start_or_resume", "summary_text", "train", "train_and_finish",
     "train_step", "trainable_filter", "validate", "validate_base", "warm_up",
 ]

@@ -25,6 +25,7 @@ from jaxsft.train.state import RunState, TrainingError
 
 if TYPE_CHECKING:  # annotations only: setup and the loop are peers that the recipe joins
   from jaxsft.config import TrainConfig
+  from jaxsft.train.preemption import StopSignals
   from jaxsft.train.startup import Run
 
 log = logging.getLogger("jaxsft.train")
@@ -253,8 +254,17 @@ def validate_base(run: Run, state: RunState) -> None:
   log.info("validation loss before training: %.4f", state.val_loss)
 
 
-def run_loop(run: Run, state: RunState, batches: DevicePrefetch) -> bool:
-  """Steps until `total_steps`, early stopping or the end of the data; True if stopped early.
+STOPPED_COMPLETED, STOPPED_EARLY, STOPPED_BY_SIGNAL = "completed", "early_stopping", "signal"
+"""Why a run's loop ended (summary.json's `stopped`): its planned steps or the end of the data,
+early stopping on the validation loss, or SIGTERM / SIGINT (`preemption.StopSignals`)."""
+
+
+def run_loop(run: Run, state: RunState, batches: DevicePrefetch, stop: StopSignals | None = None) -> str:
+  """Steps until `total_steps`, early stopping, the end of the data or a stop signal; returns why
+  it stopped (`STOPPED_COMPLETED`, `STOPPED_EARLY` or `STOPPED_BY_SIGNAL`).
+
+  `stop` is asked at each step boundary: once a signal came, the step in flight is finished and
+  logged and the loop returns (the caller saves the checkpoint).
 
   A step's metrics are read one step late: step N's record is finished (logged, non-finite
   streak and epoch sums updated) after step N + 1 is dispatched, so the device never waits for
@@ -280,6 +290,14 @@ def run_loop(run: Run, state: RunState, batches: DevicePrefetch) -> bool:
   pending = None  # the dispatched step whose record is finished after the next dispatch
   try:
     while state.step < run.total_steps:
+      if stop is not None and stop.requested():
+        if pending is not None:
+          complete(pending)
+          run.files.log(pending)
+          progress.update(pending)
+        log.warning("stopping at step %d on %s%s", state.step, stop.signal_name(),
+                    "" if stop.received else " (another process's)")
+        return STOPPED_BY_SIGNAL
       record = train_step(run, state, batches)
       if pending is not None:
         complete(pending)
@@ -304,13 +322,23 @@ def run_loop(run: Run, state: RunState, batches: DevicePrefetch) -> bool:
       patience = cfg.eval.early_stopping_patience
       if due.validate and patience and state.bad_evals >= patience:
         log.info("early stopping at step %d: no better validation loss in %d evaluations", state.step, patience)
-        return True
-    return False
+        return STOPPED_EARLY
+    return STOPPED_COMPLETED
   finally:
     progress.close()
     # A step may still run on the device (the loop raised a step late): let it end before the
     # caller tears down, so no XLA thread outlives the interpreter.
     jax.block_until_ready((state.trainable, state.opt_state))
+
+
+def save_on_signal(run: Run, state: RunState) -> None:
+  """The checkpoint of a run stopped by a signal, at the step it finished (the data position and
+  the epoch sums included, so `--resume` goes on exactly); none when that step is already saved
+  (a signal before the first step after a resume) or no step ran."""
+  if state.step == 0 or state.step == run.last_saved_step or state.step in run.checkpoints.manager.all_steps():
+    return
+  if save_checkpoint(run, state):
+    log.info("step %d: checkpoint saved (--resume continues from it)", state.step)
 
 
 def end_of_run(run: Run, state: RunState) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from typing import NoReturn
 
@@ -16,39 +17,68 @@ from jaxsft import config as config_lib
 from jaxsft import errors
 from jaxsft import sharding as sharding_lib
 from jaxsft.train.checkpoints import quiet_orbax_failure_logs
-from jaxsft.train.loop import end_of_run, run_loop
+from jaxsft.train.loop import STOPPED_BY_SIGNAL, STOPPED_EARLY, end_of_run, run_loop, save_on_signal
 from jaxsft.train.prefetch import DevicePrefetch
-from jaxsft.train.report import finish, log_to_stderr
+from jaxsft.train.preemption import NoStopSignals, StopSignals, exit_status
+from jaxsft.train.report import finish, finish_stopped, log_to_stderr
 from jaxsft.train.startup import Run, setup, start_or_resume
 from jaxsft.train.state import RunResult, RunState
 
 
-def train(cfg: config_lib.TrainConfig) -> RunResult:
+def train(cfg: config_lib.TrainConfig, *, stop_on_signals: bool = False) -> RunResult:
+  """Trains as `cfg` says and returns how the run ended.
+
+  `stop_on_signals`: SIGTERM and SIGINT during the steps finish the step in flight, save a
+  checkpoint and end the run with `RunResult.stopped == "signal"` (a second signal ends the
+  process at once); see `jaxsft.train.preemption`. Off by default, so a program that calls
+  `train` keeps its own handlers (Ctrl-C then raises KeyboardInterrupt as usual); the command
+  line turns it on. It needs the main thread.
+  """
   run, state = setup(cfg)
   try:
-    return _train(run, state)
+    return _train(run, state, StopSignals() if stop_on_signals else NoStopSignals())
   finally:
     run.files.unlock()
 
 
-def _train(run: Run, state: RunState) -> RunResult:
+def _train(run: Run, state: RunState, stop: StopSignals) -> RunResult:
   state, iterator = start_or_resume(run, state)
   try:
-    return train_and_finish(run, state, iterator)
+    return train_and_finish(run, state, iterator, stop)
   finally:
     run.trackers.close()
 
 
-def train_and_finish(run: Run, state: RunState, iterator) -> RunResult:
+def train_and_finish(run: Run, state: RunState, iterator, stop: StopSignals | None = None) -> RunResult:
+  stop = stop or NoStopSignals()
   batches = DevicePrefetch(iterator, run.mesh.put_batch, stats=run.data.stats)
   try:
-    stopped_early = run_loop(run, state, batches)
-    end_of_run(run, state)
+    # The handlers are in place from step 1 to the last checkpoint: before, nothing is lost by
+    # stopping at once; after, a signal ends the finishing work (plot, evaluation) as usual.
+    with stop:
+      stopped = run_loop(run, state, batches, stop)
+      if stopped != STOPPED_BY_SIGNAL:
+        end_of_run(run, state)
+        if stop.requested():  # the signal came during the last validation or checkpoint: both are done
+          stopped = STOPPED_BY_SIGNAL
+      else:
+        save_on_signal(run, state)
+      run.checkpoints.manager.wait_until_finished()  # the run stops only once its checkpoint is whole
+      # Asked of every process alike: with several, orbax answers with a collective.
+      newest_checkpoint = run.checkpoints.manager.latest_step()
   finally:
     batches.close()
     run.checkpoints.close()
   result = RunResult(str(run.files.dir), state.step, state.last_loss, state.val_loss, state.first_val_loss,
-                     run.compiles_warmup, run.steps.recompiles, stopped_early)
+                     run.compiles_warmup, run.steps.recompiles, stopped == STOPPED_EARLY, stopped=stopped,
+                     stop_signal=stop.signal_name() if stopped == STOPPED_BY_SIGNAL else None)
+  if stopped == STOPPED_BY_SIGNAL:
+    # A preempted machine has seconds left: no plot, doctor or evaluation, only the summary.
+    finish_stopped(run, result, newest_checkpoint)
+    # The command line then exits at once (no interpreter teardown): no process may leave while
+    # another is still in a collective of the save, or that one aborts on the missing peer.
+    sharding_lib.barrier("jaxsft: stopped on a signal")
+    return result
   trainable, frozen = state.trainable, run.frozen
   if jax.process_count() > 1:
     # Process 0 finishes alone (plot, doctor, generation) on a local copy of the gathered weights.
@@ -71,7 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.logging.quiet:  # errors only
       cfg.progress = False
       logging.getLogger("jaxsft").setLevel(logging.ERROR)
-    train(cfg)
+    result = train(cfg, stop_on_signals=True)
+    if result.stopped == STOPPED_BY_SIGNAL:  # what the shell reports for a process the signal ended
+      return exit_status(signal.Signals[result.stop_signal])
+    return 0
 
   return errors.run_cli(run)
 

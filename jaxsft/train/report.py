@@ -46,7 +46,7 @@ def finish(run: Run, result: RunResult, model) -> None:
   summary = {
       "steps": result.steps, "final_loss": result.final_loss, "first_val_loss": result.first_val_loss,
       "val_loss": result.val_loss, "warmup_compiles": result.compiles_warmup, "recompiles": result.recompiles,
-      "stopped_early": result.stopped_early, "diagnosis": result.diagnosis.pattern,
+      "stopped_early": result.stopped_early, "stopped": result.stopped, "diagnosis": result.diagnosis.pattern,
       "data": run.data.stats.summary(), "seconds": round(time.time() - run.t_start, 1),
       "collation": {**run.collation, "measured_seconds": {"steps": round(run.step_seconds, 3), "compiles": round(
           run.probe_seconds + run.warmup_seconds, 3)}}, **run.param_bytes,
@@ -69,6 +69,30 @@ def finish(run: Run, result: RunResult, model) -> None:
     print(json.dumps(summary, default=str), flush=True)
   elif not cfg.logging.quiet:
     print(summary_text(files, summary, result), flush=True)
+
+
+def finish_stopped(run: Run, result: RunResult, saved: int | None) -> None:
+  """The summary of a run a signal stopped (`stopped: "signal"`): what it reached and where
+  `--resume` goes on from (`saved`, the newest checkpoint's step); nothing slow (a preempted
+  machine may have seconds left)."""
+  from jaxsft import run_files
+
+  files = run.files
+  if not files.writer:
+    return
+  summary = {
+      "steps": result.steps, "final_loss": result.final_loss, "first_val_loss": result.first_val_loss,
+      "val_loss": result.val_loss, "warmup_compiles": result.compiles_warmup, "recompiles": result.recompiles,
+      "stopped_early": False, "stopped": result.stopped, "signal": result.stop_signal, "checkpoint_step": saved,
+      "planned_steps": run.total_steps, "data": run.data.stats.summary(), "seconds": round(time.time() - run.t_start, 1),
+  }
+  summary.update(flops_lib.mean_utilization(run_files.read_records(files.metrics)))
+  files.write_json("summary.json", summary)
+  if run.cfg.logging.json:
+    print(json.dumps(summary, default=str), flush=True)
+  elif not run.cfg.logging.quiet:
+    print(f"\n== jaxsft run stopped by {result.stop_signal} at step {result.steps} of {run.total_steps}: {files.dir} ==\n"
+          f"checkpoint: step {saved}   continue with the same command and --resume", flush=True)
 
 
 def summary_text(files: RunFiles, summary: dict, result: RunResult) -> str:

@@ -55,3 +55,5 @@ class RunResult:
   stopped_early: bool
   diagnosis: Any = None
   evaluation: dict | None = None
+  stopped: str = "completed"  # "completed", "early_stopping" or "signal" (summary.json's `stopped`)
+  stop_signal: str | None = None  # "SIGTERM" or "SIGINT" when stopped == "signal"

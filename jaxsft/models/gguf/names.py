@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+from jaxsft.errors import ModelError
+
 # (jaxsft model_type, GGUF `general.architecture`). llama.cpp converts Mistral as llama; reading
 # takes the first model_type listed for an architecture (a GGUF llama reads back as llama).
 _ARCH_TABLE = (("llama", "llama"), ("mistral", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"),
@@ -57,7 +59,7 @@ def hf_tensor_name(gguf_name: str, arch: str, path: str) -> str:
   layer_names = gguf_layer_names(arch)
   m = _LAYER_RE.match(gguf_name)
   if m is None or m.group(2) not in layer_names:
-    raise ValueError(f"{path}: unknown GGUF tensor {gguf_name!r} for {arch}")
+    raise ModelError(f"{path}: unknown GGUF tensor {gguf_name!r} for {arch}")
   return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
 
 

@@ -63,31 +63,31 @@ class _GgufMetadata:
   def need(self, key: str):
     value = self.get(key)
     if value is None:
-      raise ValueError(f"{self.path}: GGUF metadata field {self.arch}.{key} is missing")
+      raise ModelError(f"{self.path}: GGUF metadata field {self.arch}.{key} is missing")
     return value
 
   def refuse(self, key: str, why: str) -> NoReturn:
-    raise ValueError(f"{self.path}: {self.arch}.{key} = {self.get(key)!r}: {why}")
+    raise ModelError(f"{self.path}: {self.arch}.{key} = {self.get(key)!r}: {why}")
 
 
 def gguf_config(reader, path: str) -> dict[str, Any]:
   """A transformers-style `config.json` dict from GGUF metadata, read as llama.cpp reads it.
 
-  Raises `ValueError` naming the file and the key for an architecture jaxsft does not read, and
-  for metadata llama.cpp would run differently from any jaxsft model (softcapping, LongRoPE and
+  Raises `ModelError` (a `ValueError`) naming the file and the key for an architecture jaxsft does
+  not read, and for metadata llama.cpp would run differently from any jaxsft model (softcapping, LongRoPE and
   YaRN, bias tensors on the archs llama.cpp builds without them, OLMo 3's sliding windows, a Gemma
   3 pattern or local RoPE base that llama.cpp's builds disagree on).
   """
   arch = gguf_field(reader, "general.architecture")
   if arch not in MODEL_TYPE_OF_GGUF_ARCH:
-    raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; jaxsft reads "
+    raise ModelError(f"{path}: unsupported GGUF architecture {arch!r}; jaxsft reads "
                      f"{sorted(MODEL_TYPE_OF_GGUF_ARCH)}")
   names = {t.name for t in reader.tensors}
   if "rope_freqs.weight" in names:
-    raise ValueError(f"{path}: GGUF with rope_freqs.weight (Llama-3.1 rope scaling baked into a tensor) "
+    raise ModelError(f"{path}: GGUF with rope_freqs.weight (Llama-3.1 rope scaling baked into a tensor) "
                      f"is not supported; load the Hugging Face directory instead")
   if names & {"rope_factors_long.weight", "rope_factors_short.weight"}:
-    raise ValueError(f"{path}: GGUF with rope_factors_long/short (Phi-3 LongRoPE) is not supported; jaxsft "
+    raise ModelError(f"{path}: GGUF with rope_factors_long/short (Phi-3 LongRoPE) is not supported; jaxsft "
                      f"has no LongRoPE")
   meta = _GgufMetadata(reader, arch, path)
   config = _gguf_model_fields(meta, names)
@@ -124,13 +124,16 @@ def _gguf_model_fields(meta: _GgufMetadata, names: set[str]) -> dict[str, Any]:
     meta.refuse("attention.value_length", f"jaxsft needs value heads as wide as key heads ({head_dim})")
   vocab = meta.get("vocab_size")
   if vocab is None:
-    vocab = len(meta.reader.fields["tokenizer.ggml.tokens"].data)
+    tokens = meta.reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+      raise ModelError(f"{path}: neither {arch}.vocab_size nor tokenizer.ggml.tokens: the vocabulary size is unknown")
+    vocab = len(tokens.data)
   for key in ("final_logit_softcapping", "attn_logit_softcapping"):
     if meta.get(key) not in (None, 0.0):
       meta.refuse(key, "jaxsft has no logit softcapping")
   model_type = MODEL_TYPE_OF_GGUF_ARCH[arch]
   if arch not in GGUF_BIAS_ARCHS and any(n.endswith(".bias") for n in names):
-    raise ValueError(f"{path}: GGUF {arch} with bias tensors is not supported (jaxsft's {model_type} has none)")
+    raise ModelError(f"{path}: GGUF {arch} with bias tensors is not supported (jaxsft's {model_type} has none)")
   return {
       "model_type": model_type,
       "vocab_size": int(vocab), "hidden_size": hidden,
@@ -206,7 +209,10 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
   tensors: dict[str, np.ndarray] = {}
   for t in reader.tensors:
     name = hf_tensor_name(t.name, arch, path)
-    value = np.asarray(dequantize(t.data, t.tensor_type), np.float32)
+    try:
+      value = np.asarray(dequantize(t.data, t.tensor_type), np.float32)
+    except (ValueError, NotImplementedError, TypeError) as e:  # a type or size the header misstates
+      raise ModelError(f"{path}: tensor {t.name!r} cannot be read ({type(e).__name__}: {e})") from None
     if arch in GGUF_PERMUTED_QK_ARCHS and t.name.split(".")[-2] in ("attn_q", "attn_k"):
       heads = config["num_attention_heads"] if ".attn_q." in t.name else config["num_key_value_heads"]
       value = unpermute_qk(value, heads)
