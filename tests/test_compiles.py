@@ -183,3 +183,18 @@ def test_a_run_predicts_and_reports_its_compiles_cold_then_warm(tiny_dir, small_
   # The second run's programs are cache reads: it pays less, and was predicted to.
   assert warm["measured_seconds"]["compiles"] < cold["measured_seconds"]["compiles"]
   assert warm["predicted_seconds"]["compiles"] < cold["predicted_seconds"]["compiles"]
+
+
+def test_auto_chooses_at_cold_compile_prices_when_its_probes_were_cache_reads():
+  from jaxsft.data.cost import StepCost
+  from jaxsft.train import startup
+
+  probed = StepCost(a=0.1, b=1e-4, c=0.0, compile_base=0.2, compile_per_width=1e-4, compile_ratios=((128, 1.1), (512, 0.9)))
+  cal = Calibration(cold=[[16, 128, 3.0], [4, 512, 6.0]])
+  warm_probes = CompileTally(programs=6, cache_hits=6, seconds=1.0)
+  chosen = startup.with_cold_compiles(probed, cal, warm_probes)
+  assert (chosen.compile_base, chosen.compile_per_width) == pytest.approx((2.0, 1 / 128))
+  assert chosen.compile_ratios == () and (chosen.a, chosen.b) == (probed.a, probed.b)
+  # Cold probes timed real compiles: kept; so is a warm probe with no cold compile ever timed here.
+  assert startup.with_cold_compiles(probed, cal, CompileTally(programs=6, cache_misses=6, seconds=9.0)) == probed
+  assert startup.with_cold_compiles(probed, Calibration(), warm_probes) == probed
