@@ -17,8 +17,9 @@ plan, the train step (and the evaluation when there is held-out data), priced to
     warm(s) = w · cold(s)                        (w: the share of trace + lowering in a cold compile,
                                                   or fitted to warm compiles where some were timed)
 
-plus the generation's programs (one per prompt width and model: base and tuned) and the run's small
-fixed programs (optimizer init, copies), priced from the last run on this machine. A program is
+plus the generation's programs (one per padded prompt width: base and tuned share them, the same graph
+with the LoRA zeroed) and the run's small fixed programs (optimizer init, copies), priced from the
+last run on this machine. A program is
 predicted warm where this machine's calibration remembers compiling it into the same cache folder,
 cold otherwise:
 
@@ -290,12 +291,12 @@ class CompileForecast:
 
 
 def predict_compiles(prices: CompilePrices, shape_programs: Sequence[tuple[tuple[int, int], str]], *,
-                     with_eval: bool, generation_programs: int, cached: set, cache_enabled: bool = True
-                     ) -> CompileForecast:
+                     with_eval: bool, generation_programs: Sequence[str] = (), cached: set,
+                     cache_enabled: bool = True) -> CompileForecast:
   """Σ over the shapes compiled (probes and plan; `shape_programs`: (shape, what else selects the
-  program), each distinct one compiled once) of cold or warm(s), + generation programs (warm where
-  cached) + the fixed programs. A shape's program is cached where `cached` holds its `signature`;
-  generation's where 'generate' is in `cached`, the other programs' where 'other' is."""
+  program), each distinct one compiled once) of cold or warm(s), + the generation programs (their
+  signatures; each warm where cached) + the other programs. A program is cached where `cached`
+  holds its signature; the other programs where 'other' is (a run with this cache folder before)."""
   cached = cached if cache_enabled else set()
   seconds, hits = 0.0, 0
   distinct = sorted({signature("train", shape, extra): int(shape[1]) for shape, extra in shape_programs}.items())
@@ -303,13 +304,16 @@ def predict_compiles(prices: CompilePrices, shape_programs: Sequence[tuple[tuple
     hit = name in cached
     hits += hit
     seconds += prices.shape_seconds(width, hit)
-  generate_hit = generation_programs > 0 and "generate" in cached
-  seconds += generation_programs * prices.generate_seconds(generate_hit)
+  generation = sorted(set(generation_programs))
+  for name in generation:
+    hit = name in cached
+    hits += hit
+    seconds += prices.generate_seconds(hit)
   seconds += prices.fixed_seconds("other" in cached)
   programs = {"train_step": len(distinct), "evaluate": len(distinct) if with_eval else 0,
-              "generate": generation_programs}
-  total = len(distinct) + generation_programs
-  found = hits + (generation_programs if generate_hit else 0)
+              "generate": len(generation)}
+  total = len(distinct) + len(generation)
+  found = hits
   state = "cold" if found == 0 else ("warm" if found == total else "partial")
   return CompileForecast(seconds, programs, found, state)
 

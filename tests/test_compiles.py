@@ -73,7 +73,8 @@ def test_a_cold_run_pays_every_program_it_compiles_probes_and_generation_include
   extra = "ids:fused:eval"
   programs = [((16, 128), extra), ((8, 256), extra), ((4, 512), extra),  # the probes
               ((4, 512), extra), ((4, 512), "packed:fused:eval")]  # the plan: one width again, packed
-  forecast = predict_compiles(PRICES, programs, with_eval=True, generation_programs=2, cached=set())
+  generation = [signature("generate", (8, 128), "new:16"), signature("generate", (8, 256), "new:16")]
+  forecast = predict_compiles(PRICES, programs, with_eval=True, generation_programs=generation, cached=set())
   # Four distinct programs (the probe's 512 serves the plan's unpacked 512): (2 + 0.01·T) each.
   shapes = (2 + 1.28) + (2 + 2.56) + 2 * (2 + 5.12)
   assert forecast.seconds == pytest.approx(shapes + 2 * 3.0 + 1.5)
@@ -83,16 +84,20 @@ def test_a_cold_run_pays_every_program_it_compiles_probes_and_generation_include
 
 def test_a_warm_run_pays_the_front_end_of_what_is_cached_and_the_whole_of_what_is_not():
   extra = "ids:fused:eval"
-  cached = {signature("train", (16, 128), extra), "generate", "other"}
+  generate_128, generate_256 = signature("generate", (8, 128), "new:16"), signature("generate", (8, 256), "new:16")
+  cached = {signature("train", (16, 128), extra), generate_128, "other"}
   programs = [((16, 128), extra), ((4, 512), extra)]
-  forecast = predict_compiles(PRICES, programs, with_eval=False, generation_programs=1, cached=cached)
+  forecast = predict_compiles(PRICES, programs, with_eval=False, generation_programs=[generate_128], cached=cached)
   assert forecast.seconds == pytest.approx(0.25 * 3.28 + 7.12 + 0.25 * 3.0 + 0.5)
   assert (forecast.cached, forecast.cache_state, forecast.programs["evaluate"]) == (2, "partial", 0)
+  # A prompt width no earlier run generated at compiles cold.
+  wider = predict_compiles(PRICES, programs, with_eval=False, generation_programs=[generate_256], cached=cached)
+  assert wider.seconds == pytest.approx(forecast.seconds - 0.25 * 3.0 + 3.0) and wider.cached == 1
   everything = cached | {signature("train", (4, 512), extra)}
-  assert predict_compiles(PRICES, programs, with_eval=False, generation_programs=1, cached=everything
+  assert predict_compiles(PRICES, programs, with_eval=False, generation_programs=[generate_128], cached=everything
                           ).cache_state == "warm"
   # Without a persistent cache nothing is found, whatever the calibration remembers.
-  off = predict_compiles(PRICES, programs, with_eval=False, generation_programs=1, cached=everything,
+  off = predict_compiles(PRICES, programs, with_eval=False, generation_programs=[generate_128], cached=everything,
                          cache_enabled=False)
   assert off.cache_state == "cold" and off.seconds == pytest.approx(3.28 + 7.12 + 3.0 + 1.5)
 

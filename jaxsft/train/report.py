@@ -39,7 +39,6 @@ def finish(run: Run, result: RunResult, model) -> None:
     from jaxsft import evaluate
 
     before = compiles_lib.ledger().tally()
-
     base = None
     if cfg.mode == "full":  # the base is the model as loaded, before any update
       base = models.load_causal_lm(cfg.model.name, dtype=str(model.dtype))
@@ -101,22 +100,20 @@ def collation_summary(run: Run) -> dict:
 def learn_from_run(run: Run, total, other) -> None:
   """The calibration keeps what generation compiled (cold: seconds per program) and the run's other
   programs' seconds, for the next run's prediction."""
-  from jaxsft import compiles as compiles_lib
   from jaxsft.train import startup
 
   cal = run.calibration
   if cal is None:
     return
   generated = run.compile_phases.get("generate")
-  programs = startup.generation_program_count(run)
-  if generated is not None and programs:
-    if generated.cache_state == "cold":
-      cal.generate = [[8, 0, generated.seconds / programs]]
+  programs = startup.generation_programs(run) if generated is not None else []
+  if programs and generated.cache_state == "cold":
+    cal.generate = [[8, 0, generated.seconds / len(programs)]]
   # The other programs mostly bypass the persistent cache: priced by the state of the run they were in.
   cal.fixed["warm" if total.cache_hits else "cold"] = other.seconds
   folder = startup.cache_folder()
   if folder:
-    cal.cached[folder] = sorted(set(cal.cached.get(folder, [])) | {"other"} | ({"generate"} if programs else set()))
+    cal.cached[folder] = sorted(set(cal.cached.get(folder, [])) | {"other"} | set(programs))
   startup.save_calibration(run)
 
 

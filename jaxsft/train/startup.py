@@ -322,18 +322,19 @@ def shape_signature_extra(keys: tuple[str, ...], fused: bool, with_eval: bool) -
   return f"{'+'.join(keys)}:{'fused' if fused else 'accumulate'}:{'eval' if with_eval else 'train'}"
 
 
-def generation_program_count(run: Run) -> int:
-  """The programs the tuned-vs-base evaluation compiles: one per padded prompt width (base and tuned
-  share them: the same graph, the LoRA zeroed), 0 where it does not run."""
+def generation_programs(run: Run) -> list[str]:
+  """Signatures of the programs the tuned-vs-base evaluation compiles: one per padded prompt width
+  (base and tuned share them: the same graph, the LoRA zeroed); none where it does not run."""
   cfg = run.cfg
   if not (cfg.eval.generate and run.data.val_records):
-    return 0
+    return []
   from jaxsft import evaluate
   from jaxsft.generate import encode_prompt
 
   records = list(run.data.val_records)[: cfg.eval.num_prompts]
   lengths = [len(encode_prompt(run.tokenizer, evaluate.prompt_messages(r))) for r in records]
-  return len(compiles_lib.generation_widths(lengths, batch_size=8, prompt_multiple=128))
+  widths = compiles_lib.generation_widths(lengths, batch_size=8, prompt_multiple=128)
+  return [compiles_lib.signature("generate", (8, w), f"new:{cfg.eval.max_new_tokens}") for w in widths]
 
 
 def compiled_by_phase(run: Run, extra: str) -> dict:
@@ -384,7 +385,7 @@ def forecast_compiles(run: Run, keys: tuple[str, ...], cost) -> tuple:
   compile_prices = compiles_lib.prices(cal, (cost.compile_base, cost.compile_per_width))
   programs = [(tuple(s), run.probe_extra) for s in run.probe_shapes] + [(tuple(s), extra) for s in run.data.shapes]
   forecast = compiles_lib.predict_compiles(compile_prices, programs, with_eval=bool(run.data.val_records),
-                                           generation_programs=generation_program_count(run), cached=cached_before,
+                                           generation_programs=generation_programs(run), cached=cached_before,
                                            cache_enabled=folder is not None)
   learn_from_compiles(run, extra, ("warm_up",))
   save_calibration(run)
