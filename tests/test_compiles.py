@@ -203,3 +203,32 @@ def test_auto_chooses_at_cold_compile_prices_when_its_probes_were_cache_reads():
   # Cold probes timed real compiles: kept; so is a warm probe with no cold compile ever timed here.
   assert startup.with_cold_compiles(probed, cal, CompileTally(programs=6, cache_misses=6, seconds=9.0)) == probed
   assert startup.with_cold_compiles(probed, Calibration(), warm_probes) == probed
+
+
+def test_only_programs_jax_writes_to_the_persistent_cache_are_remembered_as_cached(tmp_path):
+  import jax
+
+  from jaxsft.train import startup
+
+  saved = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  try:
+    assert startup.written_to_cache(1.5) and not startup.written_to_cache(0.4)
+    cal = Calibration()
+    run = types.SimpleNamespace(calibration=cal, probe_compile_seconds={(16, 128): 0.6, (4, 512): 5.0},
+                                probe_extra="ids", data=types.SimpleNamespace(shapes=[(4, 512)]),
+                                steps=types.SimpleNamespace(compile_seconds={(16, 128): 0.6, (4, 512): 5.0}),
+                                compile_phases={"probe": CompileTally(programs=4, cache_misses=4, seconds=5.6)})
+    saved_dir, enabled = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    jax.config.update("jax_enable_compilation_cache", True)
+    try:
+      startup.learn_from_compiles(run, "ids", ("probe",))
+    finally:
+      jax.config.update("jax_compilation_cache_dir", saved_dir)
+      jax.config.update("jax_enable_compilation_cache", enabled)
+  finally:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", saved)
+  # 0.6 s for train step and evaluation together: each under JAX's 1 s, neither written.
+  assert cal.cached == {str(tmp_path): [signature("train", (4, 512), "ids")]}
+  assert sorted(map(tuple, cal.cold)) == [(4, 512, 5.0), (16, 128, 0.6)]

@@ -113,7 +113,9 @@ def learn_from_run(run: Run, total, other) -> None:
   cal.fixed["warm" if total.cache_hits else "cold"] = other.seconds
   folder = startup.cache_folder()
   if folder:
-    cal.cached[folder] = sorted(set(cal.cached.get(folder, [])) | {"other"} | set(programs))
+    cold_seconds = generated.seconds / len(programs) if programs else 0.0
+    found = not programs or generated.cache_state == "warm" or startup.written_to_cache(cold_seconds)
+    cal.cached[folder] = sorted(set(cal.cached.get(folder, [])) | {"other"} | (set(programs) if found else set()))
   startup.save_calibration(run)
 
 

@@ -318,6 +318,12 @@ def cache_folder() -> str | None:
   return str(folder) if folder and jax.config.jax_enable_compilation_cache else None
 
 
+def written_to_cache(compile_seconds: float) -> bool:
+  """Whether JAX writes a program that took `compile_seconds` to the persistent cache: only those
+  that took at least `jax_persistent_cache_min_compile_time_secs` (1 s by default)."""
+  return compile_seconds >= float(jax.config.jax_persistent_cache_min_compile_time_secs)
+
+
 def shape_signature_extra(keys: tuple[str, ...], fused: bool, with_eval: bool) -> str:
   return f"{'+'.join(keys)}:{'fused' if fused else 'accumulate'}:{'eval' if with_eval else 'train'}"
 
@@ -368,8 +374,9 @@ def learn_from_compiles(run: Run, extra: str, phases: tuple[str, ...]) -> None:
       cal.warm = compiles_lib.merge_samples(cal.warm, samples)
     if folder:
       phase_extra = run.probe_extra if phase == "probe" else extra
-      known = set(cal.cached.get(folder, []))
-      cal.cached[folder] = sorted(known | {compiles_lib.signature("train", s, phase_extra) for s in shapes})
+      written = {compiles_lib.signature("train", s, phase_extra) for s, seconds in shapes.items()
+                 if tally.cache_state == "warm" or written_to_cache(seconds / 2)}  # train step and evaluation
+      cal.cached[folder] = sorted(set(cal.cached.get(folder, [])) | written)
 
 
 def forecast_compiles(run: Run, keys: tuple[str, ...], cost) -> tuple:
