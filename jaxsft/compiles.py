@@ -245,9 +245,10 @@ class CompilePrices:
     return self.front_share * self.generate if cached else self.generate
 
   def fixed_seconds(self, cached: bool) -> float:
-    """The other programs: as last seen in this cache state (warm: front_share of cold, unseen)."""
+    """The other programs: as last seen in this cache state. Warm, unseen: as cold, since they are
+    mostly small programs the persistent cache does not hold (a warm run finds none of them)."""
     cold = self.fixed.get("cold", 0.0)
-    return self.fixed.get("warm", self.front_share * cold) if cached else cold
+    return self.fixed.get("warm", cold) if cached else cold
 
 
 DEFAULT_FRONT_SHARE = 0.3

@@ -109,7 +109,8 @@ def test_prices_come_from_the_calibration_and_grow_with_width_as_measured():
   assert p.cold == pytest.approx((2.0, 1 / 128))  # exact line through the three
   assert p.shape_seconds(1024, cached=False) == pytest.approx(10.0)
   assert p.shape_seconds(128, cached=True) == pytest.approx(0.5)  # the warm fit, not the share
-  assert (p.generate, p.generate_seconds(True), p.fixed_seconds(True)) == pytest.approx((2.5, 0.5, 0.2))
+  # The other programs mostly bypass the cache: warm, never seen warm, they cost what they did cold.
+  assert (p.generate, p.generate_seconds(True), p.fixed_seconds(True)) == pytest.approx((2.5, 0.5, 1.0))
   empty = compiles.prices(Calibration(), fallback_cold=(2.25, 1e-3))
   assert empty.cold == (2.25, 1e-3) and "cold: default" in empty.source
   assert empty.generate == pytest.approx(2.25 + 0.128)
