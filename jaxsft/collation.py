@@ -6,10 +6,12 @@ chooses (`probe_cost`); every run times one call of (up to `TIMED_SHAPES` of) it
 warm-up, fits `StepCost` to them and records in summary.json
 
     "collation": {"choice": ..., "predicted_seconds": {"steps": s, "compiles": s},
-                  "measured_seconds": {"steps": s, "compiles": s}, "cost": {...}, "candidates": [...]}
+                  "measured_seconds": {"steps": s, "compiles": s}, "cache": {...}, "compiles": {...},
+                  "cost": {...}, "candidates": [...]}
 
-predicted over the planned steps, measured over the steps this process ran (a resumed run's
-earlier steps are not in it) and the warm-up's compiles.
+steps predicted over the planned steps, measured over the steps this process ran (a resumed run's
+earlier steps are not in it); compiles predicted and measured over every program the run compiles,
+cold or warm persistent cache (jaxsft.compiles, docs/collation_cost.md).
 """
 
 from __future__ import annotations

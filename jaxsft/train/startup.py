@@ -16,6 +16,7 @@ import jax
 from flax import nnx
 
 from jaxsft import collation as collation_lib
+from jaxsft import compiles as compiles_lib
 from jaxsft import config as config_lib
 from jaxsft import data as data_lib
 from jaxsft import flops as flops_lib
@@ -25,6 +26,7 @@ from jaxsft import quant
 from jaxsft import sharding as sharding_lib
 from jaxsft import step as step_lib
 from jaxsft import tracking
+from jaxsft.models.hub import jaxsft_cache
 from jaxsft.run_files import RunFiles
 from jaxsft.train.checkpoints import Checkpoints
 from jaxsft.train.data_plan import DataPlan, load_data, plan_data
@@ -56,6 +58,13 @@ class Run:
   warmup_seconds: float = 0.0
   step_seconds: float = 0.0  # Σ of the steps' `seconds` this process ran
   collation: dict = dataclasses.field(default_factory=dict)  # summary.json's "collation"
+  compile_start: compiles_lib.CompileTally = dataclasses.field(default_factory=compiles_lib.CompileTally)
+  compile_phases: dict = dataclasses.field(default_factory=dict)  # probe, warm_up, generate: CompileTally each
+  calibration: Any = None  # compiles_lib.Calibration of this machine, model and config
+  calibration_path: Any = None
+  probe_shapes: list = dataclasses.field(default_factory=list)  # the shapes auto's probes compiled
+  probe_compile_seconds: dict = dataclasses.field(default_factory=dict)  # per probe shape, as the probe timed it
+  probe_extra: str = ""  # and the rest of their programs' signature (`shape_signature_extra`)
   flop_count: flops_lib.StepFlops | None = None  # model FLOPs of a step, from its shapes
   peak_flops: float | None = None  # per device: the denominator of MFU (None: FLOP/s only)
   trackers: tracking.Trackers = dataclasses.field(default_factory=lambda: tracking.Trackers({}))
@@ -88,13 +97,14 @@ def trainable_filter(cfg: config_lib.TrainConfig):
 def setup(cfg: config_lib.TrainConfig) -> tuple[Run, RunState]:
   """Everything before step 1. Bad config, data, mesh or model raise before anything is written."""
   t_start = time.time()
+  compile_start = compiles_lib.ledger().tally()  # every program of the run counts, the model load's too
   sharding_lib.maybe_initialize_distributed()  # several processes: before anything touches a device
   if cfg.compile_cache and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(cfg.compile_cache).expanduser()))
   files = RunFiles(cfg.output_dir, writer=sharding_lib.is_main_process())
   files.lock()  # held until `train` ends: a second process on this run directory is refused
   try:
-    return _setup(cfg, files, t_start)
+    return _setup(cfg, files, t_start, compile_start)
   except BaseException:
     files.unlock()
     raise
@@ -124,7 +134,8 @@ def load_model_to_train(cfg: config_lib.TrainConfig):
   return model, tokenizer
 
 
-def _setup(cfg: config_lib.TrainConfig, files: RunFiles, t_start: float) -> tuple[Run, RunState]:
+def _setup(cfg: config_lib.TrainConfig, files: RunFiles, t_start: float,
+           compile_start: compiles_lib.CompileTally) -> tuple[Run, RunState]:
   if not cfg.resume and files.holds_a_run():
     raise config_lib.ConfigError(
         f"{files.dir} already holds a run (metrics.jsonl or checkpoints/). Pass --resume to continue it, "
@@ -153,10 +164,11 @@ def _setup(cfg: config_lib.TrainConfig, files: RunFiles, t_start: float) -> tupl
            cfg.model.quantize, param_bytes["trainable_param_bytes"] / 1e6)
   trainable, frozen = mesh.replicate(trainable), mesh.shard_frozen(frozen)
 
-  probes = []  # (steps, opt_state, cost, seconds) when auto probed the step's cost
+  calibration, calibration_path = load_calibration(cfg)
+  probes = []  # (steps, opt_state, cost, seconds, compile tally) when auto probed the step's cost
   data = plan_data(cfg, train_records, val_records, tokenizer, mesh.batch_multiple_of,
                    cost_for=lambda longest: probe_step_cost(cfg, graphdef, trainable, frozen, mesh, bool(val_records),
-                                                            longest, probes))
+                                                            longest, probes, calibration))
   steps_per_epoch = max(data.batches_per_epoch // cfg.optim.grad_accum, 1)
   # max_steps (like Hugging Face's) overrides epochs: the data repeats for as long as it takes.
   total_steps = cfg.max_steps if cfg.max_steps else steps_per_epoch * cfg.epochs
@@ -170,7 +182,10 @@ def _setup(cfg: config_lib.TrainConfig, files: RunFiles, t_start: float) -> tupl
     steps, opt_state = build_steps(cfg, graphdef, trainable, frozen, mesh, total_steps)
   run = Run(cfg, files, mesh, tokenizer, data, graphdef, frozen, steps, total_steps, steps_per_epoch,
             Checkpoints(files, cfg.keep_checkpoints), t_start, probe_seconds=probes[0][3] if probes else 0.0,
-            flop_count=flop_count, peak_flops=resolve_peak_flops(cfg), param_bytes=param_bytes)
+            flop_count=flop_count, peak_flops=resolve_peak_flops(cfg), param_bytes=param_bytes,
+            compile_start=compile_start, calibration=calibration, calibration_path=calibration_path)
+  if probes:
+    keep_probe_compiles(run, probes[0])
   warm_up(run, n_trainable)
   return run, RunState(trainable=trainable, opt_state=opt_state)
 
@@ -184,8 +199,41 @@ def build_steps(cfg: config_lib.TrainConfig, graphdef, trainable, frozen, mesh, 
                                 schedule), opt_state
 
 
+def load_calibration(cfg: config_lib.TrainConfig):
+  """(this machine's compile calibration for the run's programs, its file)."""
+  path = compiles_lib.Calibration.path(jaxsft_cache(), compiles_lib.calibration_key(
+      compiles_lib.machine_description(), program_config(cfg)))
+  return compiles_lib.Calibration.load(path), path
+
+
+def keep_probe_compiles(run: Run, probe: tuple) -> None:
+  """What auto's probes compiled (their tally, per-shape seconds and program signature), for the
+  compile forecast and the calibration."""
+  run.compile_phases["probe"] = probe[4]
+  run.probe_compile_seconds, run.probe_extra = probe[5], probe[6]
+  run.probe_shapes = sorted(run.probe_compile_seconds)
+
+
+def program_config(cfg: config_lib.TrainConfig) -> dict:
+  """The config that shapes the compiled programs (with the batch shape and keys): the model, its
+  dtype and quantization, the adapters, the optimizer, what trains and the mesh."""
+  return {"model": dataclasses.asdict(cfg.model), "lora": dataclasses.asdict(cfg.lora) if cfg.mode == "lora" else None,
+          "optim": dataclasses.asdict(cfg.optim), "mode": cfg.mode, "trainable": cfg.trainable,
+          "mesh": dataclasses.asdict(cfg.mesh)}
+
+
+def with_cold_compiles(cost, calibration: compiles_lib.Calibration, tally: compiles_lib.CompileTally):
+  """The cost `auto` chooses with: compiles priced cold. Where the probes found their programs in
+  the persistent cache their seconds are cache reads, not compiles: this machine's cold fit replaces
+  them (when it has one), so a warm run chooses what a cold one does (and then finds it cached)."""
+  cold = compiles_lib.fit_linear_in_width(calibration.cold)
+  if tally.cache_hits == 0 or cold is None:
+    return cost
+  return dataclasses.replace(cost, compile_base=cold[0], compile_per_width=cold[1], compile_ratios=())
+
+
 def probe_step_cost(cfg: config_lib.TrainConfig, graphdef, trainable, frozen, mesh, with_eval: bool, longest: int,
-                    out: list):
+                    out: list, calibration: compiles_lib.Calibration | None = None):
   """With `batching: auto` or `num_buckets: auto`: compiles and times three probe shapes (a quarter,
   half and all of `longest`) and fits the step's cost, before the plan is chosen. Appends (steps,
   opt_state, cost, seconds) to `out` and returns the cost; None (nothing probed) when no choice
@@ -201,11 +249,15 @@ def probe_step_cost(cfg: config_lib.TrainConfig, graphdef, trainable, frozen, me
   # Compiled for the inputs the run will feed them when it can tell (auto may still pick packing:
   # then its one width compiles again, with segment ids).
   keys = step_lib.BATCH_KEYS if d.batching == "bucketed_packed" else ("input_ids", "attention_mask", "labels")
+  before = compiles_lib.ledger().tally()
   steps.warm_up(shapes, keys, with_eval=with_eval, fused=cfg.optim.grad_accum == 1)
+  tally = compiles_lib.ledger().tally() - before
   cost = collation_lib.fit_from_steps(steps, shapes, keys, fused=cfg.optim.grad_accum == 1)
+  cost = with_cold_compiles(cost, calibration or compiles_lib.Calibration(), tally)
   log.info("collation probes %s: step %.3g + %.3g·B·T + %.3g·B·T² s, compile %.3g + %.3g·T s (%.1fs)", shapes,
            cost.a, cost.b, cost.c, cost.compile_base, cost.compile_per_width, time.time() - t0)
-  out.append((steps, opt_state, cost, time.time() - t0))
+  extra = shape_signature_extra(keys, cfg.optim.grad_accum == 1, with_eval)
+  out.append((steps, opt_state, cost, time.time() - t0, tally, dict(steps.compile_seconds), extra))
   return cost
 
 
@@ -231,7 +283,9 @@ def warm_up(run: Run, n_trainable: int) -> None:
   packed = run.data.batching["batching"] in ("packed", "bucketed_packed")
   keys = step_lib.BATCH_KEYS if packed else ("input_ids", "attention_mask", "labels")
   compiles0, seconds0, t0 = counter.count, counter.seconds, time.time()
+  before = compiles_lib.ledger().tally()
   run.steps.warm_up(run.data.shapes, keys, with_eval=bool(run.data.val_records), fused=run.cfg.optim.grad_accum == 1)
+  run.compile_phases["warm_up"] = compiles_lib.ledger().tally() - before
   run.compiles_warmup, seconds = counter.count - compiles0, time.time() - t0
   run.warmup_seconds = seconds
   account_collation(run, keys)
@@ -265,10 +319,13 @@ def account_collation(run: Run, keys: tuple[str, ...]) -> None:
                                         grad_accum=cfg.optim.grad_accum)
   predicted = collation_lib.predicted(cost, data.batching, data.train_lengths, data.shapes, batch_size_for=size_for, epochs=epochs,
                                       trained=collation_lib.trained_tokens(data.train_tokens))
+  forecast, compile_prices = forecast_compiles(run, keys, cost)
+  predicted = data_lib.cost.PlanSeconds(predicted.steps, forecast.seconds)
   choice = data.collation
   run.collation = {"choice": choice.name if choice else data.batching["batching"],
                    "batching": {k: data.batching[k] for k in ("batching", "bucket_lengths", "max_length")},
-                   "predicted_seconds": predicted.to_dict(), "cost": cost.to_dict(), "epochs": round(epochs, 4)}
+                   "predicted_seconds": predicted.to_dict(), "cost": cost.to_dict(), "epochs": round(epochs, 4),
+                   "compiles_predicted": {**forecast.to_dict(), "prices": compile_prices.source}}
   if choice is not None:
     collation_lib.log_choice(choice)
     if choice.candidates:
@@ -276,6 +333,101 @@ def account_collation(run: Run, keys: tuple[str, ...]) -> None:
       run.collation["candidates"] = [c.summary() for c in choice.candidates]
   log.info("collation %s: predicted %.1fs of steps, %.1fs of compiles (cost fitted to %s)", run.collation["choice"],
            predicted.steps, predicted.compiles, cost.source)
+
+
+def cache_folder() -> str | None:
+  """The persistent compilation cache's folder, None where the cache is off."""
+  folder = jax.config.jax_compilation_cache_dir
+  return str(folder) if folder and jax.config.jax_enable_compilation_cache else None
+
+
+def written_to_cache(compile_seconds: float) -> bool:
+  """Whether JAX writes a program that took `compile_seconds` to the persistent cache: only those
+  that took at least `jax_persistent_cache_min_compile_time_secs` (1 s by default)."""
+  return compile_seconds >= float(jax.config.jax_persistent_cache_min_compile_time_secs)
+
+
+def shape_signature_extra(keys: tuple[str, ...], fused: bool, with_eval: bool) -> str:
+  return f"{'+'.join(keys)}:{'fused' if fused else 'accumulate'}:{'eval' if with_eval else 'train'}"
+
+
+def generation_programs(run: Run) -> list[str]:
+  """Signatures of the programs the tuned-vs-base evaluation compiles: one per padded prompt width
+  (base and tuned share them: the same graph, the LoRA zeroed); none where it does not run."""
+  cfg = run.cfg
+  if not (cfg.eval.generate and run.data.val_records):
+    return []
+  from jaxsft import evaluate
+  from jaxsft.generate import encode_prompt
+
+  records = list(run.data.val_records)[: cfg.eval.num_prompts]
+  lengths = [len(encode_prompt(run.tokenizer, evaluate.prompt_messages(r))) for r in records]
+  widths = compiles_lib.generation_widths(lengths, batch_size=8, prompt_multiple=128)
+  return [compiles_lib.signature("generate", (8, w), f"new:{cfg.eval.max_new_tokens}") for w in widths]
+
+
+def compiled_by_phase(run: Run, extra: str) -> dict:
+  """{phase: {shape: compile seconds}}: what the probes compiled, and what the warm-up compiled (the
+  plan's shapes the probes did not compile for the same program: auto choosing packing compiles its
+  width again, with segment ids)."""
+  probe_programs = set(run.probe_compile_seconds) if run.probe_extra == extra else set()
+  warm_up = {tuple(s): run.steps.compile_seconds[tuple(s)] for s in run.data.shapes
+             if tuple(s) not in probe_programs and tuple(s) in run.steps.compile_seconds}
+  return {"probe": dict(run.probe_compile_seconds), "warm_up": warm_up}
+
+
+def learn_from_compiles(run: Run, extra: str, phases: tuple[str, ...]) -> None:
+  """Adds this run's `phases` (probe, warm_up) to the calibration: a phase's per-shape seconds are
+  cold samples where it found nothing in the persistent cache, warm ones where it found everything;
+  the programs are remembered as cached in the cache folder (where one is used)."""
+  cal = run.calibration
+  folder = cache_folder()
+  for phase, shapes in compiled_by_phase(run, extra).items():
+    if phase not in phases:
+      continue
+    tally = run.compile_phases.get(phase)
+    samples = [[s[0], s[1], seconds] for s, seconds in shapes.items()]
+    if tally is None or not samples:
+      continue
+    if tally.cache_state == "cold":
+      cal.cold = compiles_lib.merge_samples(cal.cold, samples)
+      if tally.seconds > 0:
+        cal.front_share = tally.front_seconds / tally.seconds
+    elif tally.cache_state == "warm":
+      cal.warm = compiles_lib.merge_samples(cal.warm, samples)
+    if folder:
+      phase_extra = run.probe_extra if phase == "probe" else extra
+      written = {compiles_lib.signature("train", s, phase_extra) for s, seconds in shapes.items()
+                 if tally.cache_state == "warm" or written_to_cache(seconds / 2)}  # train step and evaluation
+      cal.cached[folder] = sorted(set(cal.cached.get(folder, [])) | written)
+
+
+def forecast_compiles(run: Run, keys: tuple[str, ...], cost) -> tuple:
+  """(CompileForecast, CompilePrices): every program the run compiles, priced cold or warm from
+  this machine's calibration (its earlier runs and this run's probes: what auto knew when it chose,
+  not the warm-up's own compiles), where it was cached before this run. The calibration is then
+  saved with the warm-up's samples too."""
+  cal = run.calibration
+  extra = shape_signature_extra(keys, run.cfg.optim.grad_accum == 1, bool(run.data.val_records))
+  folder = cache_folder()
+  cached_before = set(cal.cached.get(folder, [])) if folder else set()
+  learn_from_compiles(run, extra, ("probe",))
+  compile_prices = compiles_lib.prices(cal, (cost.compile_base, cost.compile_per_width))
+  programs = [(tuple(s), run.probe_extra) for s in run.probe_shapes] + [(tuple(s), extra) for s in run.data.shapes]
+  forecast = compiles_lib.predict_compiles(compile_prices, programs, with_eval=bool(run.data.val_records),
+                                           generation_programs=generation_programs(run), cached=cached_before,
+                                           cache_enabled=folder is not None)
+  learn_from_compiles(run, extra, ("warm_up",))
+  save_calibration(run)
+  return forecast, compile_prices
+
+
+def save_calibration(run: Run) -> None:
+  if run.files.writer and run.calibration_path is not None:
+    try:
+      run.calibration.save(run.calibration_path)
+    except OSError as e:  # the calibration only improves later predictions: never cost the run
+      log.warning("compile calibration not saved to %s: %s", run.calibration_path, e)
 
 
 def start_or_resume(run: Run, fresh: RunState):
