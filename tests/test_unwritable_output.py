@@ -27,6 +27,13 @@ def mounted_tmpfs(folder: pathlib.Path, options: str):
     subprocess.run(["umount", "--lazy", str(folder)], check=False)
 
 
+def assert_one_error_line(r, message: str, folder: pathlib.Path) -> None:
+  """Exit 2 and one `error:` line naming the failure and the folder written."""
+  assert r.returncode == 2, r.stderr[-3000:]
+  line = only_error_line(r.stderr)
+  assert message in line and str(folder) in line, line
+
+
 def everything_under(folder: pathlib.Path) -> list[str]:
   return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
 
@@ -36,9 +43,7 @@ def test_export_to_a_read_only_file_system_is_one_error_line(tiny_run, tmp_path,
 
   with mounted_tmpfs(tmp_path / "ro", "size=1m,ro") as ro:
     r = run_cli(export.main, [tiny_run["run"], "--out", ro / "export"])
-    assert r.returncode == 2, r.stderr[-3000:]
-    line = only_error_line(r.stderr)
-    assert "Read-only file system" in line and str(ro) in line, line
+    assert_one_error_line(r, "Read-only file system", ro)
     assert everything_under(ro) == []
 
 
@@ -48,9 +53,7 @@ def test_export_that_fills_the_disk_is_one_error_line_and_leaves_nothing(tiny_ru
 
   with mounted_tmpfs(tmp_path / "small", "size=2m") as small:
     r = run_cli(export.main, [tiny_run["run"], "--out", small / "export"])
-    assert r.returncode == 2, r.stderr[-3000:]
-    line = only_error_line(r.stderr)
-    assert "No space left on device" in line and str(small) in line, line
+    assert_one_error_line(r, "No space left on device", small)
     assert everything_under(small) == []  # no half export, no temporary folder
 
 
@@ -63,9 +66,7 @@ def test_token_store_on_a_read_only_file_system_is_one_error_line(small_data, tm
 
   with mounted_tmpfs(tmp_path / "ro", "size=1m,ro") as ro:
     r = run_cli(main, build_args(small_data, ro / "tokens"))
-    assert r.returncode == 2, r.stderr[-3000:]
-    line = only_error_line(r.stderr)
-    assert "Read-only file system" in line and str(ro) in line, line
+    assert_one_error_line(r, "Read-only file system", ro)
     assert everything_under(ro) == []
 
 
@@ -75,9 +76,7 @@ def test_token_store_that_fills_the_disk_is_one_error_line_and_leaves_nothing(sm
 
   with mounted_tmpfs(tmp_path / "small", "size=16k") as small:
     r = run_cli(main, build_args(small_data, small / "tokens"))
-    assert r.returncode == 2, r.stderr[-3000:]
-    line = only_error_line(r.stderr)
-    assert "No space left on device" in line and str(small) in line, line
+    assert_one_error_line(r, "No space left on device", small)
     assert everything_under(small) in ([], ["tokens"]), everything_under(small)  # at most the empty cache folder
     # with room, the same build succeeds: the failure left nothing in its way
   with mounted_tmpfs(tmp_path / "large", "size=8m") as large:
