@@ -288,22 +288,24 @@ def run_loop(run: Run, state: RunState, batches: DevicePrefetch, stop: StopSigna
                   record["step"], run.steps.recompiles, run.steps.unexpected_shapes[-3:])
 
   pending = None  # the dispatched step whose record is finished after the next dispatch
+
+  def finish_pending() -> None:
+    nonlocal pending
+    if pending is not None:
+      complete(pending)
+      run.files.log(pending)
+      progress.update(pending)
+      pending = None
+
   try:
     while state.step < run.total_steps:
       if stop is not None and stop.requested():
-        if pending is not None:
-          complete(pending)
-          run.files.log(pending)
-          progress.update(pending)
+        finish_pending()
         log.warning("stopping at step %d on %s%s", state.step, stop.signal_name(),
                     "" if stop.received else " (another process's)")
         return STOPPED_BY_SIGNAL
       record = train_step(run, state, batches)
-      if pending is not None:
-        complete(pending)
-        run.files.log(pending)
-        progress.update(pending)
-        pending = None
+      finish_pending()
       if record is None:
         log.warning("the data ran out after %d of %d planned steps", state.step, run.total_steps)
         break

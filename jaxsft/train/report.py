@@ -130,7 +130,7 @@ def learn_from_run(run: Run, total, other) -> None:
   if cal is None:
     return
   generated = run.compile_phases.get("generate")
-  programs = startup.generation_programs(run) if generated is not None else []
+  programs = run.generation_signatures if generated is not None else []
   if programs and generated.cache_state == "cold":
     cal.generate = [[8, 0, generated.seconds / len(programs)]]
   # The other programs mostly bypass the persistent cache: priced by the state of the run they were in.

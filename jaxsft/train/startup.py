@@ -65,6 +65,7 @@ class Run:
   probe_shapes: list = dataclasses.field(default_factory=list)  # the shapes auto's probes compiled
   probe_compile_seconds: dict = dataclasses.field(default_factory=dict)  # per probe shape, as the probe timed it
   probe_extra: str = ""  # and the rest of their programs' signature (`shape_signature_extra`)
+  generation_signatures: list = dataclasses.field(default_factory=list)  # `generation_programs`, found once
   flop_count: flops_lib.StepFlops | None = None  # model FLOPs of a step, from its shapes
   peak_flops: float | None = None  # per device: the denominator of MFU (None: FLOP/s only)
   trackers: tracking.Trackers = dataclasses.field(default_factory=lambda: tracking.Trackers({}))
@@ -414,8 +415,9 @@ def forecast_compiles(run: Run, keys: tuple[str, ...], cost) -> tuple:
   learn_from_compiles(run, extra, ("probe",))
   compile_prices = compiles_lib.prices(cal, (cost.compile_base, cost.compile_per_width))
   programs = [(tuple(s), run.probe_extra) for s in run.probe_shapes] + [(tuple(s), extra) for s in run.data.shapes]
+  run.generation_signatures = generation_programs(run)  # the prompts are tokenized once, here
   forecast = compiles_lib.predict_compiles(compile_prices, programs, with_eval=bool(run.data.val_records),
-                                           generation_programs=generation_programs(run), cached=cached_before,
+                                           generation_programs=run.generation_signatures, cached=cached_before,
                                            cache_enabled=folder is not None)
   learn_from_compiles(run, extra, ("warm_up",))
   save_calibration(run)
