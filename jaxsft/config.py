@@ -1,34 +1,30 @@
-"""One dataclass tree behind `configs/*.yaml` and the `python -m jaxsft.train` command line.
+"""One dataclass tree behind `configs/*.yaml` and the train command line: the schema, its
+defaults, YAML and override loading, and (from `jaxsft.config_checks`) its validation.
 
-A YAML file mirrors the tree (`optim: {lr: 1e-4}`); the command line takes dotted keys
-(`--optim.lr 1e-4` or `optim.lr=1e-4`) plus short aliases for the common ones (`--lr`,
-`--data`, `--model`, ...). Every key is checked: an unknown key or a value of the wrong type
-is a `ConfigError` that lists the valid keys, before anything is loaded or written.
+A YAML file mirrors the tree (`optim: {lr: 1e-4}`); overrides take dotted keys (`optim.lr`) or
+the short aliases of the common ones (`lr`, `data`, `model`, ...). Every key is checked: an
+unknown key or a value of the wrong type is a `ConfigError` that lists the valid keys, before
+anything is loaded or written; `validate` then checks the whole tree. The command line that
+feeds this is `jaxsft.config_args`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
 import pathlib
-import sys
 import types
 import typing
 from typing import Any
 
-from jaxsft.data import BATCHING, FORMATS, ON_ERROR, TRAIN_ON  # the data package owns its allowed values
-from jaxsft.errors import JaxsftError, one_line
+from jaxsft.config_checks import CHOICES, RANGES, check_choice, check_range, validate  # noqa: F401 (the config's API)
+from jaxsft.errors import ConfigError, one_line  # noqa: F401 (ConfigError: the config's API)
 from jaxsft.quant.formats import DEFAULT_BLOCK
 
 
 DEFAULT_CONFIG = pathlib.Path(__file__).parent / "configs" / "default.yaml"
 """The embedded default run, the base of the command line when no --config is given."""
-
-
-class ConfigError(JaxsftError, ValueError):
-  """A bad configuration key or value (names the key and, for YAML, the file)."""
 
 
 @dataclasses.dataclass
@@ -252,65 +248,6 @@ ALIASES = {
     "quiet": "logging.quiet",
     "neftune-noise-alpha": "neftune_noise_alpha",
 }
-CHOICES = {
-    "mode": ("lora", "full"),
-    "model.dtype": ("auto", "float32", "bfloat16"),
-    "model.remat": ("dots_no_batch", "dots", "full", "none"),
-    "model.quantize": ("none", "int8", "nf4", "int4", "gguf"),
-    "data.batching": BATCHING + ("auto",),
-    "data.num_buckets": ("auto",),
-    "data.train_on": TRAIN_ON,
-    "data.on_error": ON_ERROR,
-    "data.format": ("auto",) + FORMATS,
-    "optim.schedule": ("cosine", "linear", "constant"),
-    "logging.wandb_mode": ("online", "offline"),
-}
-
-
-def _at_least(low):
-  return f">= {low}", lambda v: v >= low
-
-
-def _between(low, high, *, high_inclusive=False):
-  return (f"in [{low}, {high}{']' if high_inclusive else ')'}",
-          lambda v: low <= v <= high if high_inclusive else low <= v < high)
-
-
-_POSITIVE = ("> 0", lambda v: v > 0)
-# The allowed range of each numeric key (None, where a key allows it, is always allowed; a
-# tuple's every entry is checked). A float must also be finite.
-RANGES = {
-    "lora.r": _at_least(1), "lora.alpha": _POSITIVE, "lora.dropout": _between(0, 1),
-    "data.val_fraction": _between(0, 1), "data.max_val_examples": _at_least(0),
-    "data.synthetic_size": _at_least(1), "data.max_length": _at_least(1), "data.num_buckets": _at_least(1),
-    "data.bucket_lengths": _at_least(1), "data.batch_size": _at_least(1), "data.tokens_per_batch": _at_least(1),
-    "data.pad_to_multiple_of": _at_least(1), "data.worker_count": _at_least(0),
-    "optim.lr": _POSITIVE, "optim.weight_decay": _at_least(0), "optim.b1": _between(0, 1),
-    "optim.b2": _between(0, 1), "optim.eps": _POSITIVE, "optim.warmup_steps": _at_least(0),
-    "optim.warmup_ratio": _between(0, 1, high_inclusive=True), "optim.max_grad_norm": _POSITIVE,
-    "optim.grad_accum": _at_least(1),
-    "mesh.data": ("-1 (all devices left) or >= 1", lambda v: v == -1 or v >= 1), "mesh.fsdp": _at_least(1),
-    "eval.eval_every": _at_least(0), "eval.early_stopping_patience": _at_least(1), "eval.num_prompts": _at_least(0),
-    "eval.max_new_tokens": _at_least(1),
-    "epochs": _at_least(1), "max_steps": _at_least(1), "save_every": _at_least(0), "keep_checkpoints": _at_least(1),
-    "max_nonfinite_steps": _at_least(1), "neftune_noise_alpha": _at_least(0),
-}
-
-
-def check_range(key: str, value, source: str = "command line") -> None:
-  """`ConfigError` naming the key when a number is outside `RANGES[key]` or not finite."""
-  import math
-
-  values = value if isinstance(value, tuple) else (value,)
-  for v in values:
-    if isinstance(v, float) and not math.isfinite(v):
-      raise ConfigError(f"{source}: {key} must be a finite number, got {v}")
-    if key in RANGES and isinstance(v, (int, float)) and not isinstance(v, bool):
-      what, ok = RANGES[key]
-      if not ok(v):
-        raise ConfigError(f"{source}: {key} must be {what}, got {v}")
-
-
 def fields(cls=TrainConfig, prefix="") -> dict[str, tuple[Any, str]]:
   """Every leaf key of the tree, dotted, with its type and its doc line."""
   docs = _field_docs(cls)
@@ -377,8 +314,7 @@ def coerce(key: str, tp, value):
       if not isinstance(value, (str, int, float)) or isinstance(value, bool):
         raise ValueError
       value = str(value)
-      if key in CHOICES and value not in CHOICES[key]:
-        raise ConfigError(f"{key}: {value!r} is not one of {list(CHOICES[key])}")
+      check_choice(key, value)
       return value
     if origin is tuple:
       if isinstance(value, str):
@@ -395,11 +331,11 @@ def coerce(key: str, tp, value):
   except ConfigError:
     raise
   except (ValueError, TypeError, json.JSONDecodeError):
-    raise ConfigError(f"{key}: {value!r} is not a valid {_type_name(tp)}") from None
+    raise ConfigError(f"{key}: {value!r} is not a valid {type_name(tp)}") from None
   raise ConfigError(f"{key}: unsupported type {tp}")
 
 
-def _type_name(tp) -> str:
+def type_name(tp) -> str:
   return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
@@ -471,60 +407,3 @@ def to_dict(config: TrainConfig) -> dict:
 
 def from_dict(tree: dict) -> TrainConfig:
   return apply_overrides(TrainConfig(), flatten_yaml(tree, "<dict>"), source="<dict>")
-
-
-def build_parser() -> argparse.ArgumentParser:
-  """`--help` documents every key (dotted, with its alias, type, default and meaning)."""
-  parser = argparse.ArgumentParser(
-      prog="python -m jaxsft.train",
-      description="LoRA supervised fine-tuning in JAX. With no arguments it runs the embedded default "
-      f"({DEFAULT_CONFIG.name}: SmolLM2-135M-Instruct on jaxsft's built-in synthetic task set); --config FILE "
-      "replaces that base. Defaults shown below are the dataclass defaults. "
-      "Overrides: --key value, --key=value or key=value.",
-      formatter_class=argparse.RawDescriptionHelpFormatter,
-      allow_abbrev=False,
-      epilog="Example: python -m jaxsft.train --config configs/alpaca.yaml --lr 1e-4 max_steps=100",
-  )
-  parser.add_argument("--config", help="YAML file mirroring the config tree (configs/*.yaml)")
-  defaults = TrainConfig()
-  reverse_alias = {v: k for k, v in ALIASES.items()}
-  # One help section per part of the config tree, in the tree's order: `--help` reads as the YAML does.
-  groups = {"": parser.add_argument_group("the run")}
-  for key in fields():
-    section = key.rsplit(".", 1)[0] if "." in key else ""
-    if section not in groups:
-      groups[section] = parser.add_argument_group(f"{section}.* ({section} section of the YAML)")
-  for key, (tp, doc) in fields().items():
-    group = groups[key.rsplit(".", 1)[0] if "." in key else ""]
-    obj = defaults
-    for part in key.split("."):
-      obj = getattr(obj, part)
-    names = [f"--{key}"] + ([f"--{reverse_alias[key]}"] if key in reverse_alias else [])
-    choices = f" {{{'|'.join(CHOICES[key])}}}" if key in CHOICES else ""
-    help_text = f"{doc} [{_type_name(tp)}{choices}; default {obj!r}]".strip()
-    if tp is bool:
-      group.add_argument(*names, dest=key, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
-    else:
-      group.add_argument(*names, dest=key, default=argparse.SUPPRESS, metavar=key.rsplit(".", 1)[-1].upper(), help=help_text)
-  parser.add_argument("overrides", nargs="*", help="key=value overrides (dotted keys or aliases)")
-  return parser
-
-
-def parse_args(argv: list[str] | None = None) -> TrainConfig:
-  """Defaults ← --config YAML ← --flags ← key=value; every step validated."""
-  parser = build_parser()
-  ns, unknown = parser.parse_known_intermixed_args(sys.argv[1:] if argv is None else argv)
-  if unknown:
-    valid = sorted(fields()) + sorted(ALIASES)
-    raise ConfigError(f"unknown option(s) {' '.join(unknown)}. Valid keys: {', '.join(valid)}")
-  args = vars(ns)
-  config = load_yaml(args.pop("config", None) or DEFAULT_CONFIG)
-  positional = args.pop("overrides", [])
-  config = apply_overrides(config, args)
-  pairs = {}
-  for item in positional:
-    if "=" not in item:
-      raise ConfigError(f"override {item!r} is not key=value")
-    k, v = item.split("=", 1)
-    pairs[k.strip()] = v
-  return apply_overrides(config, pairs)

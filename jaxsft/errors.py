@@ -39,6 +39,12 @@ class JaxsftError(Exception):
   """Base of every refusal: the message is the whole story (file, line or key, and the fix)."""
 
 
+class ConfigError(JaxsftError, ValueError):
+  """A bad configuration key or value (names the key and, for YAML, the file). Checks that need
+  a fact known only at run time (the devices, the model's parameters, the run directory) raise it
+  too, naming the key the same way."""
+
+
 class ModelError(JaxsftError, ValueError):
   """A model jaxsft cannot load: an unsupported architecture or a malformed config or weights file."""
 

@@ -143,6 +143,7 @@ def _main(args) -> int:
     cfg.eval.num_prompts = args.num_prompts
   if args.max_new_tokens:
     cfg.eval.max_new_tokens = args.max_new_tokens
+  config_lib.validate(cfg)
   dtype = cfg.model.dtype
   base = None
   if full:

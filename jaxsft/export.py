@@ -236,6 +236,7 @@ def export(model_name: str, adapter: str | None, out: str | pathlib.Path, *, fmt
 
 def build_parser() -> argparse.ArgumentParser:
   from jaxsft.cli import HelpFormatter
+  from jaxsft.config_checks import QUANTIZE_CHOICES
 
   parser = argparse.ArgumentParser(prog="python -m jaxsft.export", description=__doc__.split("\n\n")[0],
                                    formatter_class=HelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
@@ -243,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
   source.add_argument("run_dir", nargs="?", help="a run directory written by python -m jaxsft.train")
   source.add_argument("--model", help="the base model (instead of RUN_DIR)")
   source.add_argument("--adapter", help="a PEFT LoRA adapter directory to merge into --model")
-  source.add_argument("--quantize", choices=("none", "int8", "nf4", "int4", "gguf"), default=None,
+  source.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=None,
                       help="the base as a run with this model.quantize sees it, dequantized (default: the run's, "
                            "or none)")
   source.add_argument("--quant-block-size", type=int, default=None, help="model.quant_block_size of that run (32)")

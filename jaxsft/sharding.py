@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxsft.errors import JaxsftError
+from jaxsft.errors import ConfigError, JaxsftError
 
 BATCH_AXES = ("data", "fsdp")
 DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
@@ -159,10 +159,9 @@ def make_mesh_context(mesh_cfg) -> MeshContext:
 
 
 def check_batch_sizes(cfg, ctx: MeshContext):
-  """Every bucket's batch size must split evenly over data × fsdp (checked before compiling)."""
+  """Every bucket's batch size must split evenly over data × fsdp (checked before compiling). The
+  config's own range of batch_size is `config.validate`'s; this one needs the devices."""
   m = ctx.batch_multiple_of
-  if cfg.data.batch_size < 1:
-    raise MeshError("data.batch_size must be at least 1")
   if cfg.data.tokens_per_batch is None and cfg.data.batch_size % m:
-    raise MeshError(f"data.batch_size={cfg.data.batch_size} is not a multiple of the {m} devices on the "
+    raise ConfigError(f"data.batch_size={cfg.data.batch_size} is not a multiple of the {m} devices on the "
                     f"data×fsdp axes (mesh {dict(ctx.mesh.shape)}); use a multiple of {m}")

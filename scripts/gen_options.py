@@ -87,10 +87,11 @@ def _cell(text: str) -> str:
 
 
 def render() -> str:
-  # The aliases and allowed words are the parser's own tables (some are built from the data
-  # package's constants, which the source alone does not spell out).
+  # The aliases, allowed words and ranges are the config's own tables (the words are
+  # `jaxsft.config_checks`' named lists, which config.py's source alone does not spell out).
   sys.path.insert(0, str(ROOT))
   from jaxsft import config
+  from jaxsft import config_checks
 
   tree = ast.parse(CONFIG_SOURCE.read_text())
   aliases = {key: alias for alias, key in config.ALIASES.items()}
@@ -121,10 +122,10 @@ def render() -> str:
     for row in rows:
       key = f"`{row['key']}`" + (f" (`--{aliases[row['key']]}`)" if row["key"] in aliases else "")
       meaning = row["doc"] or "—"
-      if row["key"] in config.CHOICES:
-        meaning += (" One of: " if row["type"] == "str" else " Or the word: ") + ", ".join(f"`{word}`" for word in config.CHOICES[row["key"]]) + "."
-      if row["key"] in config.RANGES:
-        meaning += f" Must be {config.RANGES[row['key']][0]}."
+      if row["key"] in config_checks.CHOICES:
+        meaning += (" One of: " if row["type"] == "str" else " Or the word: ") + ", ".join(f"`{word}`" for word in config_checks.CHOICES[row["key"]]) + "."
+      if row["key"] in config_checks.RANGES:
+        meaning += f" Must be {config_checks.RANGES[row['key']][0]}."
       lines.append(f"| {key} | `{_cell(row['type'])}` | `{_cell(repr(default_value(defaults, row['key'])))}` | {_cell(meaning)} |")
     lines.append("")
   return "\n".join(lines)

@@ -3,17 +3,18 @@
 import pytest
 
 from jaxsft import config as c
+from jaxsft import config_args
 
 
 def test_defaults_and_overrides_in_every_form():
-  cfg = c.parse_args(["--lr", "1e-4", "max_steps=10", "--lora.target_modules", "q_proj,v_proj,o_proj",
+  cfg = config_args.parse_args(["--lr", "1e-4", "max_steps=10", "--lora.target_modules", "q_proj,v_proj,o_proj",
                       "--field-map", '{"output": "response"}', "--resume", "data.batching=packed"])
   assert cfg.optim.lr == 1e-4 and cfg.max_steps == 10 and cfg.resume is True
   assert cfg.lora.target_modules == ("q_proj", "v_proj", "o_proj")
   assert cfg.data.field_map == {"output": "response"} and cfg.data.batching == "packed"
   # No --config: the embedded default run (configs/default.yaml links to it).
-  assert c.parse_args([]) == c.load_yaml(c.DEFAULT_CONFIG)
-  assert c.parse_args([]).data.path is None and c.parse_args([]).optim.lr == 2e-3
+  assert config_args.parse_args([]) == c.load_yaml(c.DEFAULT_CONFIG)
+  assert config_args.parse_args([]).data.path is None and config_args.parse_args([]).optim.lr == 2e-3
   assert c.TrainConfig().optim.lr == 2e-4  # the library default
 
 
@@ -27,7 +28,7 @@ def test_defaults_and_overrides_in_every_form():
 ])
 def test_bad_keys_and_values_are_clear_errors(argv, words):
   with pytest.raises(c.ConfigError) as e:
-    c.parse_args(argv)
+    config_args.parse_args(argv)
   for w in words:
     assert w in str(e.value)
 
@@ -35,20 +36,20 @@ def test_bad_keys_and_values_are_clear_errors(argv, words):
 def test_yaml_is_validated_with_the_file_named(tmp_path):
   good = tmp_path / "good.yaml"
   good.write_text("optim:\n  lr: 3.0e-4\n  grad_accum: 2\ndata:\n  batching: dynamic\nmax_steps: 5\n")
-  cfg = c.parse_args(["--config", str(good), "--max-steps", "7"])
+  cfg = config_args.parse_args(["--config", str(good), "--max-steps", "7"])
   assert (cfg.optim.lr, cfg.optim.grad_accum, cfg.data.batching, cfg.max_steps) == (3e-4, 2, "dynamic", 7)
   bad = tmp_path / "bad.yaml"
   bad.write_text("optim:\n  learning_rate: 1\n")
   with pytest.raises(c.ConfigError, match=r"bad\.yaml.*unknown key 'optim\.learning_rate'.*optim\.lr"):
-    c.parse_args(["--config", str(bad)])
+    config_args.parse_args(["--config", str(bad)])
   section = tmp_path / "section.yaml"
   section.write_text("optim: 5\n")
   with pytest.raises(c.ConfigError, match="section"):
-    c.parse_args(["--config", str(section)])
+    config_args.parse_args(["--config", str(section)])
 
 
 def test_every_key_is_in_help():
-  text = c.build_parser().format_help()
+  text = config_args.build_parser().format_help()
   for key in c.fields():
     assert f"--{key}" in text
   assert "--lr" in text and "--data" in text
@@ -61,3 +62,75 @@ def test_shipped_configs_parse():
   assert configs, "configs/ holds the default and at least one real-data config"
   for path in configs:
     c.load_yaml(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# config.validate: every check of a TrainConfig, also for one built in code.
+
+
+def _built(**changes):
+  """A TrainConfig built in code (not read: nothing has checked it yet), with dotted-key changes."""
+  cfg = c.TrainConfig()
+  for key, value in changes.items():
+    *parents, leaf = key.split("__")
+    obj = cfg
+    for p in parents:
+      obj = getattr(obj, p)
+    setattr(obj, leaf, value)
+  return cfg
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"model__quantize_embeddings": True}, r"model\.quantize_embeddings=true needs a model\.quantize format"),
+    ({"model__quantize": "nf4", "mode": "full"}, r"model\.quantize=nf4: a quantized base is frozen"),
+    ({"mode": "full", "trainable": "layers.(q_proj"}, r"trainable: 'layers.\(q_proj' is not a valid regex"),
+    ({"data__batching": "dynamic", "data__tokens_per_batch": 4096}, r"data\.tokens_per_batch needs a fixed width"),
+    ({"data__bucket_lengths": (64, 128), "data__max_length": 256}, r"data\.bucket_lengths: the largest bucket \(128\)"),
+    ({"lora__r": 0}, r"config: lora\.r must be >= 1, got 0"),
+    ({"optim__lr": float("nan")}, r"config: optim\.lr must be a finite number"),
+    ({"mode": "partial"}, r"mode: 'partial' is not one of \['lora', 'full'\]"),
+    ({"data__num_buckets": "many"}, r"data\.num_buckets: 'many' is not one of \['auto'\]"),
+])
+def test_validate_refuses_a_bad_config_naming_the_key(changes, message):
+  with pytest.raises(c.ConfigError, match=message):
+    c.validate(_built(**changes))
+
+
+def test_validate_passes_the_defaults_the_embedded_run_and_the_shipped_configs():
+  import pathlib
+
+  c.validate(c.TrainConfig())
+  c.validate(config_args.parse_args([]))
+  for path in sorted((pathlib.Path(__file__).parents[1] / "configs").glob("*.yaml")):
+    c.validate(c.load_yaml(path))
+  # lora mode does not read `trainable`, so it is not compiled there
+  c.validate(_built(trainable="(unclosed"))
+
+
+def test_the_command_line_runs_validate():
+  with pytest.raises(c.ConfigError, match=r"model\.quantize=int8: a quantized base is frozen"):
+    config_args.parse_args(["mode=full", "--model.quantize", "int8"])
+  with pytest.raises(c.ConfigError, match=r"data\.tokens_per_batch needs a fixed width"):
+    config_args.parse_args(["data.batching=dynamic", "data.tokens_per_batch=512"])
+
+
+def test_train_validates_a_config_built_in_code_before_writing_anything(tmp_path):
+  from jaxsft.train import train
+
+  cfg = _built(model__quantize_embeddings=True, output_dir=str(tmp_path / "run"))
+  with pytest.raises(c.ConfigError, match=r"model\.quantize_embeddings=true"):
+    train(cfg)
+  assert not (tmp_path / "run").exists()
+
+
+def test_each_list_of_choices_is_one_object_the_rest_import():
+  from jaxsft import chat, config_checks, export, quant
+  from jaxsft.data import pipeline, records, template
+
+  assert quant.QUANTIZE_CHOICES is config_checks.QUANTIZE_CHOICES is c.CHOICES["model.quantize"]
+  assert (records.FORMATS, records.ON_ERROR, template.TRAIN_ON, pipeline.BATCHING) == (
+      config_checks.FORMATS, config_checks.ON_ERROR, config_checks.TRAIN_ON, config_checks.BATCHING)
+  assert pipeline.BATCHING is config_checks.BATCHING and records.FORMATS is config_checks.FORMATS
+  for parser in (chat.build_parser(), export.build_parser()):
+    quantize = next(a for a in parser._actions if "--quantize" in a.option_strings)
+    assert tuple(quantize.choices) == config_checks.QUANTIZE_CHOICES

@@ -10,14 +10,14 @@ import shlex
 
 import pytest
 
-from jaxsft import chat, cli, config, doctor, evaluate, export
+from jaxsft import chat, cli, config, config_args, doctor, evaluate, export
 from jaxsft.data import __main__ as data_cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 OPTIONS_PAGE = ROOT / "docs" / "options.md"
 # Each command's argument check, without running it: the parse the command's main() starts with.
-PARSERS = {"train": config.parse_args, "chat": chat.parse_args, "export": export.parse_args,
+PARSERS = {"train": config_args.parse_args, "chat": chat.parse_args, "export": export.parse_args,
            "data": data_cli.parse_args, "doctor": doctor.parse_args, "evaluate": evaluate.parse_args}
 
 
@@ -162,7 +162,7 @@ def test_every_help_shows_defaults_and_groups(capsys):
   assert "(default: 256)" in chat.build_parser().format_help()
   assert "(default: 0)" in chat.build_parser().format_help()  # a zero default is shown too
   assert "what to write:" in export.build_parser().format_help()
-  train_help = config.build_parser().format_help()
+  train_help = config_args.build_parser().format_help()
   for section in ("model", "lora", "data", "optim", "mesh", "eval", "logging"):
     assert f"\n{section}.* (" in train_help, section
 

@@ -291,7 +291,7 @@ def test_a_cut_last_metrics_line_is_ignored_and_dropped_on_resume(tmp_path):
 
 @pytest.mark.slow
 def test_config_ranges_are_checked_at_parse_time_naming_the_key():
-  from jaxsft import config
+  from jaxsft import config, config_args
 
   for args, key in ((["--lr=-1e-3"], "optim.lr"), (["--lr", "-0.001"], "optim.lr"), (["--lr", "nan"], "optim.lr"),
                     (["data.tokens_per_batch=0"], "data.tokens_per_batch"),
@@ -301,8 +301,8 @@ def test_config_ranges_are_checked_at_parse_time_naming_the_key():
                     (["data.val_fraction=1"], "data.val_fraction"), (["keep_checkpoints=0"], "keep_checkpoints"),
                     (["lora.r=0"], "lora.r"), (["lora.alpha=inf"], "lora.alpha")):
     with pytest.raises(config.ConfigError, match=key.replace(".", r"\.")):
-      config.parse_args(args)
-  cfg = config.parse_args(["--lr", "1e-3", "data.tokens_per_batch=4096", "mesh.data=-1", "data.val_fraction=0"])
+      config_args.parse_args(args)
+  cfg = config_args.parse_args(["--lr", "1e-3", "data.tokens_per_batch=4096", "mesh.data=-1", "data.val_fraction=0"])
   assert cfg.optim.lr == 1e-3 and cfg.data.tokens_per_batch == 4096
 
 

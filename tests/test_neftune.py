@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from jaxsft import config as config_lib
+from jaxsft import config_args
 from jaxsft import lora, models, neftune
 from jaxsft import step as step_lib
 from tiny_model import TINY
@@ -120,13 +121,13 @@ def test_noise_and_dropout_keys_differ():
 @pytest.mark.parametrize("value", ["-1", "nan", "abc"])
 def test_a_bad_alpha_is_refused_naming_the_key(value):
   with pytest.raises(config_lib.ConfigError, match="neftune_noise_alpha"):
-    config_lib.parse_args(["--neftune-noise-alpha", value])
+    config_args.parse_args(["--neftune-noise-alpha", value])
 
 
 def test_alpha_on_the_command_line_and_in_yaml(tmp_path):
-  assert config_lib.parse_args(["--neftune-noise-alpha", "5"]).neftune_noise_alpha == 5.0
-  assert config_lib.parse_args(["neftune_noise_alpha=0.5"]).neftune_noise_alpha == 0.5
-  assert config_lib.parse_args([]).neftune_noise_alpha is None
+  assert config_args.parse_args(["--neftune-noise-alpha", "5"]).neftune_noise_alpha == 5.0
+  assert config_args.parse_args(["neftune_noise_alpha=0.5"]).neftune_noise_alpha == 0.5
+  assert config_args.parse_args([]).neftune_noise_alpha is None
   yaml_file = tmp_path / "c.yaml"
   yaml_file.write_text("neftune_noise_alpha: 15\n")
-  assert config_lib.parse_args(["--config", str(yaml_file)]).neftune_noise_alpha == 15.0
+  assert config_args.parse_args(["--config", str(yaml_file)]).neftune_noise_alpha == 15.0

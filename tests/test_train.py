@@ -260,12 +260,12 @@ def test_resume_falls_back_past_a_damaged_checkpoint(tiny_dir, small_data, tmp_p
 def test_data_running_out_early_still_ends_with_a_fresh_validation(tiny_dir, small_data, tmp_path, tokenizer, train_main):
   """Packed epochs can pack tighter than the first one (the planned step count is one epoch's
   batches x epochs): the run then stops early, and its last validation is of its last step."""
-  from jaxsft import config as config_lib
+  from jaxsft import config_args
   from jaxsft import data
   from jaxsft.train import load_data
 
   packed = ["data.batching=packed", "data.max_length=256", "data.batch_size=4", "epochs=2"]
-  cfg = config_lib.parse_args([str(a) for a in base_args(tiny_dir, small_data, tmp_path / "unused", *packed)])
+  cfg = config_args.parse_args([str(a) for a in base_args(tiny_dir, small_data, tmp_path / "unused", *packed)])
   kw = dict(max_length=256, batching="packed", batch_size=4, tokens_per_batch=None)
   for seed in range(20):  # a data order whose second epoch packs into fewer batches
     cfg.data.seed = seed

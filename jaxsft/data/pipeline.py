@@ -43,6 +43,7 @@ from typing import Sequence
 import grain
 import numpy as np
 
+from jaxsft.config_checks import BATCHING  # the config's list of choices (data.batching)
 from jaxsft.data.bucketing import BatchPlan, BucketBatchIterDataset
 from jaxsft.data.choose import choose_packing_widths, packed_batches_per_shape
 from jaxsft.data.collate import bucket_index, choose_buckets
@@ -51,8 +52,6 @@ from jaxsft.data.examples import TokenizedRecords
 from jaxsft.data.packing import packed_batches
 from jaxsft.data.pipeline_stats import PipelineStats
 from jaxsft.data.tokenize import encode_with_length, record_error, tokenize_records
-
-BATCHING = ("static", "dynamic", "bucketed", "packed", "bucketed_packed")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -38,13 +38,12 @@ import sys
 import zlib
 from typing import Any, Callable, Iterator
 
+from jaxsft.config_checks import FORMATS, ON_ERROR  # the config's lists of choices (data.format, data.on_error)
 from jaxsft.data.json_array import BOM, JsonTextError, Utf8Reader, read_json_array, utf8_error
 from jaxsft.errors import JaxsftError, one_line
 
 logger = logging.getLogger("jaxsft.data")
 
-FORMATS = ("alpaca", "messages", "sharegpt", "prompt_completion")
-ON_ERROR = ("raise", "skip")
 ROLES = ("system", "user", "assistant")
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "system": "system"}

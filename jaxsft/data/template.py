@@ -68,6 +68,7 @@ import dataclasses
 import weakref
 from typing import Callable
 
+from jaxsft.config_checks import TRAIN_ON  # the config's list of choices (data.train_on)
 from jaxsft.data.records import DataError
 from jaxsft.errors import one_line
 
@@ -78,8 +79,6 @@ PLAIN_CHAT_TEMPLATE = (
     "{% else %}{{ 'Assistant: ' + message['content'] + (eos_token or '') + '\n\n' }}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ 'Assistant: ' }}{% endif %}")
-
-TRAIN_ON = ("all_assistant", "last")
 
 Spans = list[tuple[int, int]]
 

@@ -16,7 +16,8 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxsft import io
-from jaxsft.errors import ModelError
+from jaxsft.config_checks import QUANTIZE_CHOICES
+from jaxsft.errors import ConfigError, ModelError
 from jaxsft.models import decoder, families, hf_weights
 from jaxsft.models.gguf.read import read_gguf
 from jaxsft.models.hub import ModelSource, load_tokenizer, resolve_model
@@ -50,16 +51,16 @@ def load_causal_lm(source: ModelSource | str, *, dtype: str = "float32", attenti
                    remat: str | Callable | None = decoder.DEFAULT_REMAT, quantize: str = "none",
                    quant_block_size: int = DEFAULT_BLOCK, quantize_embeddings: bool = False) -> decoder.CausalLM:
   """The model alone (no tokenizer): `load_model` without the tokenizer files."""
-  from jaxsft import quant
-
-  if quantize not in quant.QUANTIZE_CHOICES:
-    raise ValueError(f"quantize must be one of {list(quant.QUANTIZE_CHOICES)}, got {quantize!r}")
+  # A training config's quantize settings were checked by `config.validate`; these guard the
+  # library's own callers (chat, export, a script), and the last one needs the model's file.
+  if quantize not in QUANTIZE_CHOICES:
+    raise ConfigError(f"quantize must be one of {list(QUANTIZE_CHOICES)}, got {quantize!r}")
   if quantize_embeddings and quantize == "none":
-    raise ValueError("quantize_embeddings needs a quantize format (int8, nf4, int4 or gguf) to store them in")
+    raise ConfigError("quantize_embeddings needs a quantize format (int8, nf4, int4 or gguf) to store them in")
   if isinstance(source, str):
     source = resolve_model(source)
   if quantize == "gguf" and source.gguf_file is None:
-    raise ValueError(f"model.quantize=gguf keeps a GGUF file's own blocks, but {source.name!r} is not a .gguf "
+    raise ConfigError(f"model.quantize=gguf keeps a GGUF file's own blocks, but {source.name!r} is not a .gguf "
                      f"file (use int8, nf4 or int4)")
   if source.gguf_file is not None:
     hf_config, tensors, where = load_gguf_cached(source)

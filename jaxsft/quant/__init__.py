@@ -1,8 +1,9 @@
 """Quantized frozen bases (QLoRA): block formats, GGUF blocks, and the model hooks."""
 
+from jaxsft.config_checks import QUANTIZE_CHOICES  # `model.quantize`'s list lives with the config's other choices
 from jaxsft.quant.formats import FORMATS, NF4_CODE, QuantizedTensor, dequantize, quantize
 from jaxsft.quant.kernel import QuantizedKernel, kernel_value
-from jaxsft.quant.model import (QUANTIZE_CHOICES, dequantize_model, is_quantized, load_gguf_blocks,
+from jaxsft.quant.model import (dequantize_model, is_quantized, load_gguf_blocks,
                                 param_count, quantize_model, tree_bytes)
 
 __all__ = ["FORMATS", "NF4_CODE", "QUANTIZE_CHOICES", "QuantizedKernel", "QuantizedTensor", "dequantize",

@@ -22,9 +22,6 @@ from jaxsft.quant import formats
 from jaxsft.quant.formats import QuantizedTensor
 from jaxsft.quant.kernel import QuantizedKernel, kernel_value, table_value
 
-QUANTIZE_CHOICES = ("none", "int8", "nf4", "int4", "gguf")
-"""`model.quantize`: none, a `jaxsft.quant.formats` format made at load time, or gguf (the
-file's own Q4_0 / Q4_1 / Q8_0 blocks)."""
 
 
 def projections(model):

@@ -14,6 +14,7 @@ import jax
 from flax import nnx
 
 from jaxsft import config as config_lib
+from jaxsft import config_args
 from jaxsft import errors
 from jaxsft import sharding as sharding_lib
 from jaxsft.train.checkpoints import quiet_orbax_failure_logs
@@ -34,6 +35,7 @@ def train(cfg: config_lib.TrainConfig, *, stop_on_signals: bool = False) -> RunR
   `train` keeps its own handlers (Ctrl-C then raises KeyboardInterrupt as usual); the command
   line turns it on. It needs the main thread.
   """
+  config_lib.validate(cfg)  # a config built in code is checked as the command line's is
   run, state = setup(cfg)
   try:
     return _train(run, state, StopSignals() if stop_on_signals else NoStopSignals())
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
   log_to_stderr()
 
   def run() -> None:
-    cfg = config_lib.parse_args(argv)
+    cfg = config_args.parse_args(argv)
     if cfg.logging.quiet:  # errors only
       cfg.progress = False
       logging.getLogger("jaxsft").setLevel(logging.ERROR)

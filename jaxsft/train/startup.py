@@ -84,10 +84,7 @@ def trainable_filter(cfg: config_lib.TrainConfig):
     return nnx.LoRAParam
   import re
 
-  try:
-    pattern = re.compile(cfg.trainable) if cfg.trainable else None
-  except re.error as e:
-    raise config_lib.ConfigError(f"trainable: {cfg.trainable!r} is not a valid regex ({e})") from None
+  pattern = re.compile(cfg.trainable) if cfg.trainable else None  # `config.validate` refused a bad one
 
   def matches(path, value) -> bool:
     return isinstance(value, nnx.Param) and (pattern is None or bool(pattern.search(".".join(map(str, path)))))
@@ -111,16 +108,6 @@ def setup(cfg: config_lib.TrainConfig) -> tuple[Run, RunState]:
     raise
 
 
-def check_model_settings(cfg: config_lib.TrainConfig) -> None:
-  """Model settings that cannot go together, refused before anything loads."""
-  if cfg.model.quantize_embeddings and cfg.model.quantize == "none":
-    raise config_lib.ConfigError("model.quantize_embeddings=true needs a model.quantize format (int8, nf4, int4 "
-                                 "or gguf) for the embeddings to be stored in")
-  if cfg.model.quantize != "none" and cfg.mode == "full":
-    raise config_lib.ConfigError(f"model.quantize={cfg.model.quantize}: a quantized base is frozen, so it trains "
-                                 f"LoRA adapters only; use mode=lora or model.quantize=none with mode=full")
-
-
 def load_model_to_train(cfg: config_lib.TrainConfig):
   """(model, tokenizer): the base as the config stores it, with LoRA applied in lora mode."""
   log.info("loading model %s (%s%s)", cfg.model.name, cfg.model.dtype,
@@ -137,6 +124,7 @@ def load_model_to_train(cfg: config_lib.TrainConfig):
 
 def _setup(cfg: config_lib.TrainConfig, files: RunFiles, t_start: float,
            compile_start: compiles_lib.CompileTally) -> tuple[Run, RunState]:
+  # The config's own checks ran before (`config.validate`); these need the disk, the devices, the model.
   if not cfg.resume and files.holds_a_run():
     raise config_lib.ConfigError(
         f"{files.dir} already holds a run (metrics.jsonl or checkpoints/). Pass --resume to continue it, "
@@ -146,7 +134,6 @@ def _setup(cfg: config_lib.TrainConfig, files: RunFiles, t_start: float,
   sharding_lib.check_batch_sizes(cfg, mesh)
   sharding_lib.barrier("jaxsft: output dir checked")  # no process writes before all have looked
 
-  check_model_settings(cfg)
   log.info("loading data")
   train_records, val_records = load_data(cfg)
   model, tokenizer = load_model_to_train(cfg)
