@@ -5,7 +5,7 @@ the QLoRA cell of the GPU run, and the same on a CPU at small sizes.
         [--lora-rank 16] [--lora-targets q_proj ...] [--dataset builtin --tokenizer DIR] [--suffix _gpu]
 
 The base's projection kernels are drawn directly as quantized codes
-(`jaxsft.quant.model.init_random_quantized`: speed does not depend on the values, and no float copy
+(`jaxsft.models.quantized.init_random_quantized`: speed does not depend on the values, and no float copy
 of an 8B base is made), embeddings and LM head in bfloat16 as a QLoRA run keeps them, bfloat16
 compute. The batches are `benchmarks.vs_torch`'s: static batching of the dataset at the shape. The
 step is the trainer's (`benchmarks.common.JaxsftStep`, AdamW, clipping). There is no PyTorch peer:
@@ -34,12 +34,13 @@ def run(*, model_name: str, fmt: str, shape: tuple[int, int], steps: int, lora_r
   from flax import nnx
 
   from jaxsft import quant
+  from jaxsft.models import quantized
   from jaxsft.models import to_hf_config
 
   machine = common.machine_info()
   config = common.random_model_config(model_name)
   t0 = time.perf_counter()
-  model = quant.model.init_random_quantized(config, fmt, dtype="bfloat16")
+  model = quantized.init_random_quantized(config, fmt, dtype="bfloat16")
   draw_s = time.perf_counter() - t0
   stored = quant.tree_bytes(nnx.state(model))
   step = common.JaxsftStep(model, common.train_config(lr=vs_torch.LR, lora_r=lora_r, lora_alpha=2 * lora_r,

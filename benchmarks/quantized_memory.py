@@ -71,13 +71,13 @@ def base_bytes(config, fmt: str, dtype: str = "bfloat16", embeddings: bool = Fal
   """{"kernels", "other", "total"}: bytes of the frozen base as stored, from shapes only."""
   from flax import nnx
 
-  from jaxsft import quant
+  from jaxsft.models import quantized
   from jaxsft.models.decoder import CausalLM
 
   if fmt == "none":
     model = nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
   else:
-    model = quant.model.init_random_quantized(config, fmt, dtype=dtype, abstract=True, embeddings=embeddings)
+    model = quantized.init_random_quantized(config, fmt, dtype=dtype, abstract=True, embeddings=embeddings)
   return split_bytes(model)
 
 
@@ -129,11 +129,12 @@ def step8b(batch: int = 1, length: int = 256, embeddings: bool = False) -> dict:
   from flax import nnx
 
   from jaxsft import quant
+  from jaxsft.models import quantized
 
   machine = common.machine_info()
   config = load_config("llama-3.1-8b")
   t0 = time.perf_counter()
-  model = quant.model.init_random_quantized(config, "nf4", dtype="bfloat16", embeddings=embeddings)
+  model = quantized.init_random_quantized(config, "nf4", dtype="bfloat16", embeddings=embeddings)
   draw_s = time.perf_counter() - t0
   stored = quant.tree_bytes(nnx.state(model))
   rss_after_draw = vm_hwm_mib()
@@ -167,11 +168,12 @@ def plan8b(batch: int = 1, length: int = 256, embeddings: bool = False) -> dict:
 
   from jaxsft import lora as lora_lib
   from jaxsft import quant, sharding
+  from jaxsft.models import quantized
   from jaxsft import step as step_lib
 
   machine = common.machine_info()
   config = load_config("llama-3.1-8b")
-  model = quant.model.init_random_quantized(config, "nf4", dtype="bfloat16", abstract=True, embeddings=embeddings)
+  model = quantized.init_random_quantized(config, "nf4", dtype="bfloat16", abstract=True, embeddings=embeddings)
   cfg = common.train_config()
   lora_lib.apply_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, target_modules=cfg.lora.target_modules)
   graphdef, lora, frozen = nnx.split(model, nnx.LoRAParam, ...)

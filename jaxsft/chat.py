@@ -35,7 +35,7 @@ class ChatError(JaxsftError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-  from jaxsft.cli import HelpFormatter
+  from jaxsft.help_format import HelpFormatter
   from jaxsft.quant import QUANTIZE_CHOICES
 
   parser = argparse.ArgumentParser(prog="python -m jaxsft.chat", description=__doc__.split("\n\n")[0],

@@ -104,7 +104,7 @@ def format_comparison(out: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  from jaxsft.cli import HelpFormatter
+  from jaxsft.help_format import HelpFormatter
 
   parser = argparse.ArgumentParser(prog="python -m jaxsft.evaluate", description=__doc__.split("\n\n")[0],
                                    formatter_class=HelpFormatter)

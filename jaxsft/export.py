@@ -235,7 +235,7 @@ def export(model_name: str, adapter: str | None, out: str | pathlib.Path, *, fmt
 
 
 def build_parser() -> argparse.ArgumentParser:
-  from jaxsft.cli import HelpFormatter
+  from jaxsft.help_format import HelpFormatter
   from jaxsft.config_checks import QUANTIZE_CHOICES
 
   parser = argparse.ArgumentParser(prog="python -m jaxsft.export", description=__doc__.split("\n\n")[0],

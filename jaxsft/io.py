@@ -6,6 +6,7 @@
   whole, or moved aside whole before it is deleted.
 - A temp's name carries its writer (`.<name>.<host>-<pid>.<random>.tmp`, `TEMP_NAME`), so
   `remove_leftovers` can delete those of dead writers.
+- `jaxsft_cache`: the root of jaxsft's cache (token stores, model copies, compile calibrations).
 
 A leaf module (no jaxsft imports): the model, adapter, data and run-directory code all write
 through it.
@@ -27,6 +28,11 @@ import tempfile
 from typing import IO, Callable, Iterator
 
 log = logging.getLogger("jaxsft.io")
+
+
+def jaxsft_cache() -> pathlib.Path:
+  """$JAXSFT_CACHE, by default ~/.cache/jaxsft."""
+  return pathlib.Path(os.environ.get("JAXSFT_CACHE", pathlib.Path.home() / ".cache" / "jaxsft"))
 
 
 def rename_over(source: str | os.PathLike, target: str | os.PathLike) -> None:

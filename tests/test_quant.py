@@ -15,7 +15,7 @@ from flax import nnx
 
 from jaxsft import lora as lora_lib
 from jaxsft import loss, quant
-from jaxsft.models import decoder, families, hf_weights, loading
+from jaxsft.models import decoder, families, hf_weights, loading, quantized
 from jaxsft.models.gguf.names import GGUF_GLOBAL_NAMES, gguf_layer_names
 from jaxsft.quant import formats
 from tiny_model import FAMILY_CONFIGS, TINY, family_config
@@ -473,8 +473,8 @@ def test_a_random_quantized_base_is_drawn_in_its_stored_formats(fmt, embeddings)
   """init_random_quantized (the benchmarks' 8B bases): kernels drawn as codes, norms one, the rest
   N(0, 0.02²); the abstract draw has the same shapes and dtypes and allocates nothing."""
   config = dataclasses.replace(TINY, vocab_size=SMALL_VOCAB)
-  model = quant.model.init_random_quantized(config, fmt, seed=0, embeddings=embeddings, dtype="float32")
-  abstract = quant.model.init_random_quantized(config, fmt, seed=0, embeddings=embeddings, abstract=True,
+  model = quantized.init_random_quantized(config, fmt, seed=0, embeddings=embeddings, dtype="float32")
+  abstract = quantized.init_random_quantized(config, fmt, seed=0, embeddings=embeddings, abstract=True,
                                                dtype="float32")
   assert quant.is_quantized(model) and quant.model.embeddings_quantized(model) == embeddings
   for _, proj in quant.model.projections(model):

@@ -9,11 +9,10 @@ collation cost model), choose.py (plans priced by it: packing widths, `batching:
 (a file tokenized once into a memory-mapped token store), stats.py (`python -m jaxsft.data stats`).
 """
 
-from jaxsft.data.bucketing import BatchPlan, BucketBatchIterDataset
+from jaxsft.config_checks import BATCHING
 from jaxsft.data.collate import (PaddingCost, bucket_index, choose_buckets, collate, padding_cost, round_up,
                                  target_length)
 from jaxsft.data.examples import TokenizedRecords
-from jaxsft.data.pipeline import BATCHING, batch_shapes, count_batches, epoch_lengths, make_batches
 from jaxsft.data.pipeline_stats import PipelineStats
 from jaxsft.data.records import (FORMATS, ON_ERROR, DataError, Record, SkipReport, iter_records, load_records,
                                  normalize_record)
@@ -21,6 +20,25 @@ from jaxsft.data.store import StoreError, TokenStore, open_or_build
 from jaxsft.data.template import PLAIN_CHAT_TEMPLATE, TRAIN_ON, SpanRenderer, render_with_spans
 from jaxsft.data.tokenize import encode_batches, tokenize_example, tokenize_file, tokenize_records
 from jaxsft.labels import IGNORE_INDEX  # re-exported: jaxsft.data.IGNORE_INDEX
+
+# Grain imports jax as it loads, so the batching (bucketing.py, pipeline.py: Grain's datasets) is
+# imported on first use of its names: reading, templates, tokenizing and the token store (and
+# `python -m jaxsft.data build`) run without jax.
+_BUCKETING = ("BatchPlan", "BucketBatchIterDataset")
+_PIPELINE = ("batch_shapes", "count_batches", "epoch_lengths", "make_batches")
+
+
+def __getattr__(name: str):
+  if name in _BUCKETING:
+    from jaxsft.data import bucketing
+
+    return getattr(bucketing, name)
+  if name in _PIPELINE:
+    from jaxsft.data import pipeline
+
+    return getattr(pipeline, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BATCHING", "BatchPlan", "BucketBatchIterDataset", "DataError", "FORMATS", "IGNORE_INDEX", "ON_ERROR",

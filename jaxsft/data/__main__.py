@@ -36,7 +36,7 @@ def _data_arguments(parser: argparse.ArgumentParser, *, max_length: int, on_erro
 
 
 def build_parser() -> argparse.ArgumentParser:
-  from jaxsft.cli import HelpFormatter
+  from jaxsft.help_format import HelpFormatter
 
   parser = argparse.ArgumentParser(prog="python -m jaxsft.data", description=__doc__.split("\n")[0],
                                    formatter_class=HelpFormatter)

@@ -45,13 +45,13 @@ from typing import Any, Sequence
 import numpy as np
 
 from jaxsft import io
+from jaxsft.io import jaxsft_cache
 from jaxsft.data.records import SkipReport
 from jaxsft.data.examples import ExampleSource, LengthOnlyExamples, RecordsWithTokens, TokenizedRecords
 from jaxsft.data.template import PLAIN_CHAT_TEMPLATE, bos_prefix
 from jaxsft.data.tokenize import encode_rendered, fast_backend, iter_rendered
 from jaxsft.errors import JaxsftError
 from jaxsft.labels import IGNORE_INDEX
-from jaxsft.models.hub import jaxsft_cache
 
 logger = logging.getLogger("jaxsft.data")
 

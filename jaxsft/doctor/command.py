@@ -22,7 +22,7 @@ def diagnose_run(run_dir: str | pathlib.Path) -> Diagnosis:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  from jaxsft.cli import HelpFormatter
+  from jaxsft.help_format import HelpFormatter
 
   parser = argparse.ArgumentParser(
       prog="python -m jaxsft.doctor", formatter_class=HelpFormatter,

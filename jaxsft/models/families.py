@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxsft.errors import ModelError
+from jaxsft.models.gguf.names import FULL, SLIDING  # transformers' layer_types words, shared with the GGUF reader
 
 # model_type -> the causal-LM architecture name. Anything else is refused.
 SUPPORTED_MODEL_TYPES = {
@@ -42,7 +43,6 @@ SUPPORTED_MODEL_TYPES = {
 }
 _SUPPORTED_ROPE = ("default", "llama3", "linear")
 _SUPPORTED_ACT = ("silu", "gelu_pytorch_tanh")
-FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ import os
 import pathlib
 
 from jaxsft import io
+from jaxsft.io import jaxsft_cache
 
 SMOLLM2 = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -39,10 +40,6 @@ class ModelSource:
     key = hashlib.sha1(f"{self.path}/{self.gguf_file}".encode()).hexdigest()[:12]
     stem = pathlib.Path(self.gguf_file or self.path.rstrip("/")).name.replace(".gguf", "")
     return jaxsft_cache() / f"{stem}-{key}"
-
-
-def jaxsft_cache() -> pathlib.Path:
-  return pathlib.Path(os.environ.get("JAXSFT_CACHE", pathlib.Path.home() / ".cache" / "jaxsft"))
 
 
 def resolve_model(name_or_path: str) -> ModelSource:

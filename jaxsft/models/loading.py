@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxsft import io
+from jaxsft import io, quant
 from jaxsft.config_checks import QUANTIZE_CHOICES
 from jaxsft.errors import ConfigError, ModelError
-from jaxsft.models import decoder, families, hf_weights
+from jaxsft.models import decoder, families, hf_weights, quantized
 from jaxsft.models.gguf.read import read_gguf
 from jaxsft.models.hub import ModelSource, load_tokenizer, resolve_model
 from jaxsft.quant.formats import DEFAULT_BLOCK
@@ -72,7 +72,7 @@ def load_causal_lm(source: ModelSource | str, *, dtype: str = "float32", attenti
                                    remat=remat)
   model.name_or_path = source.name  # recorded as base_model_name_or_path in adapter configs
   if quantize == "gguf":
-    quant.load_gguf_blocks(model, pathlib.Path(source.path) / source.gguf_file, embeddings=quantize_embeddings)
+    quantized.load_gguf_blocks(model, pathlib.Path(source.path) / source.gguf_file, embeddings=quantize_embeddings)
   elif quantize != "none":
     quant.quantize_model(model, quantize, quant_block_size, embeddings=quantize_embeddings)
   return model

@@ -8,6 +8,10 @@ import re
 
 from jaxsft.errors import ModelError
 
+FULL, SLIDING = "full_attention", "sliding_attention"
+"""transformers' `layer_types` words in config.json, which GGUF metadata is read into (the
+families read them too; they import them from here, so the GGUF package imports no model code)."""
+
 # (jaxsft model_type, GGUF `general.architecture`). llama.cpp converts Mistral as llama; reading
 # takes the first model_type listed for an architecture (a GGUF llama reads back as llama).
 _ARCH_TABLE = (("llama", "llama"), ("mistral", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"),

@@ -14,12 +14,11 @@ from typing import Any, NoReturn
 import numpy as np
 
 from jaxsft.errors import ModelError
-from jaxsft.models.families import FULL, SLIDING
 from jaxsft.models.gguf.llama_cpp import (GEMMA3_LOCAL_ROPE_BASE, GEMMA3_SLIDING_PERIOD, GGUF_BIAS_ARCHS,
                                           GGUF_NORM_PLUS_ONE_ARCHS, GGUF_PERMUTED_QK_ARCHS,
                                           gemma3_query_pre_attn_scalar, gemma3_sliding_layers,
                                           smollm3_rope_layers, unpermute_qk)
-from jaxsft.models.gguf.names import MODEL_TYPE_OF_GGUF_ARCH, hf_tensor_name
+from jaxsft.models.gguf.names import FULL, MODEL_TYPE_OF_GGUF_ARCH, SLIDING, hf_tensor_name
 
 
 def open_gguf(path: str | os.PathLike):
