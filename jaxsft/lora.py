@@ -287,7 +287,7 @@ def _read_adapter_config(path: pathlib.Path) -> dict:
   for field in ("r", "lora_alpha"):
     if not isinstance(config.get(field), (int, float)) or isinstance(config.get(field), bool):
       raise AdapterError(f"{path}: field {field} is missing or not a number: {config.get(field)!r}")
-  # The ranges training accepts (jaxsft.config.RANGES): a rank is a whole number >= 1, the
+  # The ranges training accepts (jaxsft.config_checks.RANGES): a rank is a whole number >= 1, the
   # scale alpha a finite positive number, the dropout a probability below 1.
   r, alpha, dropout = config["r"], config["lora_alpha"], config.get("lora_dropout", 0.0)
   if not (isinstance(r, int) or float(r).is_integer()) or not math.isfinite(r) or r < 1:

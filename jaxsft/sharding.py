@@ -32,8 +32,8 @@ DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_
 
 
 class MeshError(JaxsftError, ValueError):
-  """A mesh that doesn't fit the devices, a batch size the data axes don't divide, or an
-  incomplete multi-process launch (checked before anything compiles)."""
+  """A mesh that doesn't fit the devices, or an incomplete multi-process launch (checked before
+  anything compiles). A batch size the data axes don't divide is the config's `ConfigError`."""
 
 
 @dataclasses.dataclass
@@ -164,4 +164,4 @@ def check_batch_sizes(cfg, ctx: MeshContext):
   m = ctx.batch_multiple_of
   if cfg.data.tokens_per_batch is None and cfg.data.batch_size % m:
     raise ConfigError(f"data.batch_size={cfg.data.batch_size} is not a multiple of the {m} devices on the "
-                    f"data×fsdp axes (mesh {dict(ctx.mesh.shape)}); use a multiple of {m}")
+                      f"data×fsdp axes (mesh {dict(ctx.mesh.shape)}); use a multiple of {m}")

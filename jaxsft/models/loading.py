@@ -61,7 +61,7 @@ def load_causal_lm(source: ModelSource | str, *, dtype: str = "float32", attenti
     source = resolve_model(source)
   if quantize == "gguf" and source.gguf_file is None:
     raise ConfigError(f"model.quantize=gguf keeps a GGUF file's own blocks, but {source.name!r} is not a .gguf "
-                     f"file (use int8, nf4 or int4)")
+                      f"file (use int8, nf4 or int4)")
   if source.gguf_file is not None:
     hf_config, tensors, where = load_gguf_cached(source)
   else:
