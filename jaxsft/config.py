@@ -18,8 +18,8 @@ import types
 import typing
 from typing import Any
 
-from jaxsft.config_checks import CHOICES, RANGES, check_choice, check_range, validate  # noqa: F401 (the config's API)
-from jaxsft.errors import ConfigError, one_line  # noqa: F401 (ConfigError: the config's API)
+from jaxsft.config_checks import CHOICES, RANGES, check_choice, check_range, validate  # noqa: F401 (config.validate, its tables)
+from jaxsft.errors import ConfigError, one_line
 from jaxsft.quant.formats import DEFAULT_BLOCK
 
 
