@@ -32,8 +32,8 @@ DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_
 
 
 class MeshError(JaxsftError, ValueError):
-  """A mesh that doesn't fit the devices, or an incomplete multi-process launch (checked before
-  anything compiles). A batch size the data axes don't divide is the config's `ConfigError`."""
+  """An incomplete or inconsistent multi-process launch (checked before any device is touched).
+  A mesh or a batch size that doesn't fit the devices is the config's `ConfigError`."""
 
 
 @dataclasses.dataclass
@@ -144,15 +144,17 @@ def make_mesh_context(mesh_cfg) -> MeshContext:
   """`mesh: {data: -1, fsdp: 1}` → a Mesh over all devices (-1 takes what fsdp leaves)."""
   n = jax.device_count()
   data, fsdp = mesh_cfg.data, mesh_cfg.fsdp
+  # The config's ranges of data and fsdp are `config.validate`'s (repeated here for a caller that
+  # builds a MeshConfig itself); fitting them to the devices needs the devices.
   if fsdp < 1 or data == 0 or data < -1:
-    raise MeshError(f"mesh: data={data}, fsdp={fsdp}: sizes must be positive (data may be -1)")
+    raise ConfigError(f"mesh: data={data}, fsdp={fsdp}: sizes must be positive (data may be -1)")
   if data == -1:
     if n % fsdp:
-      raise MeshError(f"mesh: fsdp={fsdp} does not divide the {n} available devices")
+      raise ConfigError(f"mesh: fsdp={fsdp} does not divide the {n} available devices")
     data = n // fsdp
   if data * fsdp != n:
-    raise MeshError(f"mesh: data={data} × fsdp={fsdp} = {data * fsdp} devices, but {n} are available "
-                    f"({jax.devices()[0].platform}); use data=-1 to take all of them")
+    raise ConfigError(f"mesh: data={data} × fsdp={fsdp} = {data * fsdp} devices, but {n} are available "
+                      f"({jax.devices()[0].platform}); use data=-1 to take all of them")
   # Auto axes: XLA propagates shardings from the inputs (no sharding-in-types annotations needed).
   auto = (jax.sharding.AxisType.Auto,) * 2
   return MeshContext(jax.make_mesh((data, fsdp), ("data", "fsdp"), axis_types=auto))

@@ -134,3 +134,22 @@ def test_each_list_of_choices_is_one_object_the_rest_import():
   for parser in (chat.build_parser(), export.build_parser()):
     quantize = next(a for a in parser._actions if "--quantize" in a.option_strings)
     assert tuple(quantize.choices) == config_checks.QUANTIZE_CHOICES
+
+
+def test_checks_that_need_a_runtime_fact_raise_the_same_config_error(tmp_path):
+  """The mesh against the devices, gguf blocks against the model's file: where the fact is known,
+  as a ConfigError naming the key like validate's."""
+  import json
+
+  import jax
+
+  from jaxsft import sharding
+  from jaxsft.models import families, loading
+  from tiny_model import TINY
+
+  too_many = jax.device_count() + 1
+  with pytest.raises(c.ConfigError, match=rf"mesh: data={too_many} × fsdp=1 = {too_many} devices"):
+    sharding.make_mesh_context(c.MeshConfig(data=too_many))
+  (tmp_path / "config.json").write_text(json.dumps(families.to_hf_config(TINY)))
+  with pytest.raises(c.ConfigError, match=r"model\.quantize=gguf keeps a GGUF file's own blocks"):
+    loading.load_causal_lm(str(tmp_path), quantize="gguf")
