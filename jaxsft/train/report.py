@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING
 
 from jaxsft import flops as flops_lib
+from jaxsft import host_memory
 from jaxsft import matmul as matmul_lib
 from jaxsft import models
 from jaxsft import tracking
@@ -62,6 +63,7 @@ def finish(run: Run, result: RunResult, model) -> None:
   path = matmul_lib.cpu_matmul_path(model.dtype)  # which kernels ran the products (None off a CPU)
   if path:
     summary["matmul_path"] = path
+    summary["host_malloc"] = host_memory.setting()  # whether step scratch memory is reused (host_memory)
   files.write_json("summary.json", summary)
   for tag, text in tracking.run_report_markdown(result.diagnosis.report(), result.evaluation).items():
     run.trackers.text(tag, text, result.steps)
