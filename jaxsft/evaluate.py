@@ -153,7 +153,7 @@ def _main(args) -> int:
     lora_lib.load_adapter(model, str(files.adapter))
   records = json.loads(files.heldout.read_text())
   out = compare_base_and_tuned(model, tokenizer, records, cfg, base=base)
-  files.write_json("evaluation.json", out)
+  files.write_json(files.evaluation, out)
   return 0
 
 

@@ -121,9 +121,9 @@ def _cost(run_dir: str | None):
 
   if run_dir is None:
     return DEFAULT_COST
-  import pathlib
+  from jaxsft.run_files import RunFiles
 
-  path = pathlib.Path(run_dir) / "summary.json"
+  path = RunFiles(run_dir, writer=False).summary
   try:
     fields = json.loads(path.read_text())["collation"]["cost"]
   except (OSError, ValueError, KeyError, TypeError) as e:
