@@ -23,7 +23,8 @@ def test_defaults_and_overrides_in_every_form():
     (["data.batching=foo"], ["data.batching", "static", "packed"]),
     (["--epochs", "1.5"], ["epochs", "int"]),
     (["nonsense=1"], ["unknown key 'nonsense'", "optim.lr"]),
-    (["justaword"], ["not key=value"]),
+    (["runs/a", "justaword"], ["not key=value", "'justaword'", "run folder is 'runs/a'"]),
+    (["runs/a", "--output-dir", "runs/b"], ["given twice", "'runs/a'", "'runs/b'"]),
 ])
 def test_bad_keys_and_values_are_clear_errors(argv, words):
   with pytest.raises(c.ConfigError) as e:
@@ -52,6 +53,13 @@ def test_every_key_is_in_help():
   for key in c.fields():
     assert f"--{key}" in text
   assert "--lr" in text and "--data" in text
+
+
+def test_the_run_folder_is_the_positional_run_dir_or_output_dir_alike():
+  assert c.parse_args(["runs/a", "--lr", "1e-4", "max_steps=3"]).output_dir == "runs/a"
+  assert c.parse_args(["max_steps=3", "runs/a"]) == c.parse_args(["--output-dir", "runs/a", "max_steps=3"])
+  assert c.parse_args(["runs/a", "output_dir=runs/b"]).output_dir == "runs/b"  # key=value wins, as over any flag
+  assert c.parse_args([]).output_dir == "runs/default"
 
 
 def test_shipped_configs_parse():
