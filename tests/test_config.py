@@ -11,7 +11,7 @@ def test_defaults_and_overrides_in_every_form():
   assert cfg.optim.lr == 1e-4 and cfg.max_steps == 10 and cfg.resume is True
   assert cfg.lora.target_modules == ("q_proj", "v_proj", "o_proj")
   assert cfg.data.field_map == {"output": "response"} and cfg.data.batching == "packed"
-  # No --config: the embedded default run (configs/default.yaml links to it).
+  # No --config: the embedded default run, the one default config (it ships in the package).
   assert c.parse_args([]) == c.load_yaml(c.DEFAULT_CONFIG)
   assert c.parse_args([]).data.path is None and c.parse_args([]).optim.lr == 2e-3
   assert c.TrainConfig().optim.lr == 2e-4  # the library default
@@ -23,7 +23,8 @@ def test_defaults_and_overrides_in_every_form():
     (["data.batching=foo"], ["data.batching", "static", "packed"]),
     (["--epochs", "1.5"], ["epochs", "int"]),
     (["nonsense=1"], ["unknown key 'nonsense'", "optim.lr"]),
-    (["justaword"], ["not key=value"]),
+    (["runs/a", "justaword"], ["not key=value", "'justaword'", "run folder is 'runs/a'"]),
+    (["runs/a", "--output-dir", "runs/b"], ["given twice", "'runs/a'", "'runs/b'"]),
 ])
 def test_bad_keys_and_values_are_clear_errors(argv, words):
   with pytest.raises(c.ConfigError) as e:
@@ -54,10 +55,21 @@ def test_every_key_is_in_help():
   assert "--lr" in text and "--data" in text
 
 
+def test_the_run_folder_is_the_positional_run_dir_or_output_dir_alike():
+  assert c.parse_args(["runs/a", "--lr", "1e-4", "max_steps=3"]).output_dir == "runs/a"
+  assert c.parse_args(["max_steps=3", "runs/a"]) == c.parse_args(["--output-dir", "runs/a", "max_steps=3"])
+  assert c.parse_args(["runs/a", "output_dir=runs/b"]).output_dir == "runs/b"  # key=value wins, as over any flag
+  assert c.parse_args([]).output_dir == "runs/default"
+
+
 def test_shipped_configs_parse():
   import pathlib
 
-  configs = sorted((pathlib.Path(__file__).parents[1] / "configs").glob("*.yaml"))
-  assert configs, "configs/ holds the default and at least one real-data config"
-  for path in configs:
+  root = pathlib.Path(__file__).parents[1]
+  configs = sorted((root / "configs").glob("*.yaml"))
+  assert configs, "configs/ holds at least one real-data config"
+  for path in [c.DEFAULT_CONFIG, *configs]:
     c.load_yaml(path)
+  # One default config: the packaged one, no second copy (or link) beside the real-data ones.
+  assert c.DEFAULT_CONFIG == root / "jaxsft" / "configs" / "default.yaml" and c.DEFAULT_CONFIG.is_file()
+  assert not any(path.name == c.DEFAULT_CONFIG.name for path in root.joinpath("configs").rglob("*"))

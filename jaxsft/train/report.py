@@ -30,11 +30,11 @@ def finish(run: Run, result: RunResult, model) -> None:
 
   cfg, files = run.cfg, run.files
   try:
-    plot.plot_loss_curve(files.dir, files.dir / "loss_curve.png")
+    plot.plot_loss_curve(files.dir, files.loss_curve)
   except Exception as e:  # a plot must never cost the run
     log.warning("loss curve not plotted: %s", e)
   result.diagnosis = doctor.diagnose_run(files.dir)
-  files.write_text("doctor.txt", result.diagnosis.report() + "\n")
+  files.write_text(files.doctor_report, result.diagnosis.report() + "\n")
   if cfg.eval.generate and run.data.val_records:
     from jaxsft import compiles as compiles_lib
     from jaxsft import evaluate
@@ -45,7 +45,7 @@ def finish(run: Run, result: RunResult, model) -> None:
       base = models.load_causal_lm(cfg.model.name, dtype=str(model.dtype))
     result.evaluation = evaluate.compare_base_and_tuned(model, run.tokenizer, run.data.val_records, cfg, base=base,
                                                        show=not cfg.logging.quiet)
-    files.write_json("evaluation.json", result.evaluation)
+    files.write_json(files.evaluation, result.evaluation)
     run.compile_phases["generate"] = compiles_lib.ledger().tally() - before
   summary = {
       "steps": result.steps, "final_loss": result.final_loss, "first_val_loss": result.first_val_loss,
@@ -64,7 +64,7 @@ def finish(run: Run, result: RunResult, model) -> None:
   if path:
     summary["matmul_path"] = path
     summary["host_malloc"] = host_memory.setting()  # whether step scratch memory is reused (host_memory)
-  files.write_json("summary.json", summary)
+  files.write_json(files.summary, summary)
   for tag, text in tracking.run_report_markdown(result.diagnosis.report(), result.evaluation).items():
     run.trackers.text(tag, text, result.steps)
   run.trackers.log_adapter(files.tuned(cfg.mode == "full"), f"{files.dir.name}-{cfg.mode}")
@@ -91,7 +91,7 @@ def finish_stopped(run: Run, result: RunResult, saved: int | None) -> None:
       "planned_steps": run.total_steps, "data": run.data.stats.summary(), "seconds": round(time.time() - run.t_start, 1),
   }
   summary.update(flops_lib.mean_utilization(run_files.read_records(files.metrics)))
-  files.write_json("summary.json", summary)
+  files.write_json(files.summary, summary)
   if run.cfg.logging.json:
     print(json.dumps(summary, default=str), flush=True)
   elif not run.cfg.logging.quiet:
@@ -164,7 +164,7 @@ def summary_text(files: RunFiles, summary: dict, result: RunResult) -> str:
   full = files.holds_full_model()
   tuned = files.tuned(full)
   kind = "tuned model (HF format)" if full else "adapter (PEFT format)"
-  lines.append(f"{kind}: {tuned}   curve: {files.dir / 'loss_curve.png'}   wall time {summary['seconds']}s")
+  lines.append(f"{kind}: {tuned}   curve: {files.loss_curve}   wall time {summary['seconds']}s")
   lines.append(f"chat with it:  python -m jaxsft.chat {files.dir}\n"
                f"export it:     python -m jaxsft.export {files.dir} --out {files.dir}-hf  (--format gguf for llama.cpp)")
   return "\n".join(lines)
