@@ -93,7 +93,7 @@ class DataConfig:
   weights (Grain's MapDataset.mix), each source in its own shuffled order, and ends when the source with the
   fewest records per unit of weight has given each of its records once; the other sources go on where they
   stopped in the next epoch. Each source holds out its own share of records (`val_fraction`, at most
-  max_val_examples / number of sources each); validation uses them all, unweighted. summary.json's
+  max_val_examples / number of sources each, rounded up); validation uses them all, unweighted. summary.json's
   `data_sources` counts each source's examples and trained tokens."""
   val_path: str | None = None
   """Held-out data; without it `val_fraction` of the training records are held out."""
