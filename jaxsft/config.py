@@ -67,6 +67,17 @@ class LoraConfig:
 
 
 @dataclasses.dataclass
+class MixSource:
+  """One source of `data.mix`: a data file read as `data.path` reads one, with its own field map and
+  format, drawn with `weight` (relative to the other sources' weights)."""
+
+  path: str
+  weight: float = 1.0
+  field_map: dict[str, str] | None = None
+  format: str = "auto"
+
+
+@dataclasses.dataclass
 class DataConfig:
   path: str | None = None
   """Training data: JSON/JSONL (.gz too), parquet, Arrow, a folder of parquet shards or of `datasets`'
@@ -75,6 +86,15 @@ class DataConfig:
   """Map of canonical field names to the file's names, e.g. {"output": "response"}."""
   format: str = "auto"
   """The records' format: auto (detected from each record's fields) or one named format."""
+  mix: tuple[MixSource, ...] | None = None
+  """Several data files mixed by weight, instead of `path`: in YAML a list of {path, weight, field_map, format}
+  (field_map and format as for `path`, per source); on the command line `--data.mix a.json=0.7 b.jsonl=0.3`.
+  Weights are relative (normalized to sum 1). Each epoch draws the sources interleaved in proportion to their
+  weights (Grain's MapDataset.mix), each source in its own shuffled order, and ends when the source with the
+  fewest records per unit of weight has given each of its records once; the other sources go on where they
+  stopped in the next epoch. Each source holds out its own share of records (`val_fraction`, at most
+  max_val_examples / number of sources each, rounded up); validation uses them all, unweighted. summary.json's
+  `data_sources` counts each source's examples and trained tokens."""
   val_path: str | None = None
   """Held-out data; without it `val_fraction` of the training records are held out."""
   val_fraction: float = 0.1
@@ -252,6 +272,8 @@ ALIASES = {
     "quiet": "logging.quiet",
     "neftune-noise-alpha": "neftune_noise_alpha",
 }
+# Keys whose flag takes several values; argparse gives such a flag every word up to the next option.
+MANY_VALUES = ("data.mix",)
 CHOICES = {
     "mode": ("lora", "full"),
     "model.dtype": ("auto", "float32", "bfloat16"),
@@ -358,6 +380,8 @@ def coerce(key: str, tp, value):
       except ConfigError:
         pass
     return coerce(key, inner[-1], value)
+  if tp is MixSource:
+    return _mix_source(key, value)
   try:
     if tp is bool:
       if isinstance(value, bool):
@@ -385,7 +409,10 @@ def coerce(key: str, tp, value):
         value = json.loads(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
       if not isinstance(value, (list, tuple)):
         raise ValueError
-      return tuple(coerce(key, args[0], v) for v in value)
+      entries = tuple(coerce(key, args[0], v) for v in value)
+      if args[0] is MixSource:
+        _check_distinct_paths(key, entries)
+      return entries
     if origin is dict:
       if isinstance(value, str):
         value = json.loads(value)
@@ -399,8 +426,64 @@ def coerce(key: str, tp, value):
   raise ConfigError(f"{key}: unsupported type {tp}")
 
 
+def _mix_source(key: str, value) -> MixSource:
+  """One `data.mix` entry from `PATH=WEIGHT` (the command line) or a mapping (YAML, JSON); a malformed
+  entry or a weight that is not a finite number > 0 is a ConfigError naming the entry."""
+  if isinstance(value, str):
+    path, sep, weight = value.rpartition("=")  # the last '=': a path may hold one, a number never does
+    if not sep or not path.strip() or not weight.strip():
+      raise ConfigError(f"{key}: {value!r} is not PATH=WEIGHT (e.g. a.json=0.7)")
+    value = {"path": path.strip(), "weight": weight.strip()}
+  if not isinstance(value, dict):
+    raise ConfigError(f"{key}: {value!r} is not PATH=WEIGHT or a mapping {{path, weight, field_map, format}}")
+  names = [f.name for f in dataclasses.fields(MixSource)]
+  unknown = sorted(set(value) - set(names))
+  if unknown or "path" not in value:
+    what = f"unknown key(s) {unknown}" if unknown else "no path"
+    raise ConfigError(f"{key}: {value!r} has {what}; an entry takes {names}")
+  hints = typing.get_type_hints(MixSource)
+  path = coerce(f"{key}.path", hints["path"], value["path"])
+  entry = {}
+  for name in names[1:]:
+    if name in value:
+      try:
+        entry[name] = coerce(name, hints[name], value[name])
+        if name == "format" and entry[name] not in CHOICES["data.format"]:
+          raise ConfigError(f"format: {entry[name]!r} is not one of {list(CHOICES['data.format'])}")
+      except ConfigError as e:
+        raise ConfigError(f"{key}: {path}: {e}") from None
+  source = MixSource(path, **entry)
+  import math
+
+  if not (math.isfinite(source.weight) and source.weight > 0):
+    raise ConfigError(f"{key}: {path}: weight must be a finite number > 0, got {source.weight}")
+  return source
+
+
+def _check_distinct_paths(key: str, entries: tuple[MixSource, ...]) -> None:
+  """Each file once: a file given twice would be two sources of the same records."""
+  import os
+
+  seen = {}
+  for entry in entries:
+    where = os.path.normpath(os.path.abspath(os.path.expanduser(entry.path)))
+    if where in seen:
+      raise ConfigError(f"{key}: {entry.path} is given twice (also as {seen[where]}); give each file once, "
+                        "with the weight of both")
+    seen[where] = entry.path
+
+
+def check_data_sources(d: DataConfig) -> None:
+  """`data.path` and `data.mix` name the training data two ways: one of them, not both."""
+  if d.mix is not None and d.path is not None:
+    raise ConfigError(f"data.mix and data.path are both set (data.path={d.path}): give the training data one way; "
+                      "data.path=null clears it")
+  if d.mix is not None and not d.mix:
+    raise ConfigError("data.mix is empty: give at least one PATH=WEIGHT, or data.mix=null")
+
+
 def _type_name(tp) -> str:
-  return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+  return getattr(tp, "__name__", None) or str(tp).replace("typing.", "").replace(f"{__name__}.", "")
 
 
 def apply_overrides(config: TrainConfig, overrides: dict[str, Any], source: str = "command line") -> TrainConfig:
@@ -505,12 +588,25 @@ def build_parser() -> argparse.ArgumentParser:
     help_text = f"{doc} [{_type_name(tp)}{choices}; default {obj!r}]".strip()
     if tp is bool:
       group.add_argument(*names, dest=key, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+    elif key in MANY_VALUES:  # --data.mix a.json=0.7 b.jsonl=0.3
+      group.add_argument(*names, dest=key, nargs="+", default=argparse.SUPPRESS, metavar="PATH=WEIGHT", help=help_text)
     else:
       group.add_argument(*names, dest=key, default=argparse.SUPPRESS, metavar=key.rsplit(".", 1)[-1].upper(), help=help_text)
   parser.add_argument("overrides", nargs="*", metavar="RUN_DIR|key=value",
                       help="the run folder (output_dir; a name without '='), then key=value overrides (dotted keys "
                            "or aliases)")
   return parser
+
+
+def _split_trailing_overrides(values: list[str]) -> tuple[list[str], list[str]]:
+  """(the flag's own values, the key=value overrides argparse also gave it): `--data.mix a.json=0.7
+  max_steps=5` ends the sources at the first word whose left side is a config key or alias."""
+  keys = set(fields()) | set(ALIASES)
+  for i, value in enumerate(values):
+    left = value.split("=", 1)[0].strip()
+    if "=" in value and (left in keys or left.replace("-", "_") in keys):
+      return values[:i], values[i:]
+  return values, []
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -523,6 +619,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
   args = vars(ns)
   config = load_yaml(args.pop("config", None) or DEFAULT_CONFIG)
   positional = args.pop("overrides", [])
+  for key in MANY_VALUES:
+    if key in args:
+      args[key], trailing = _split_trailing_overrides(args[key])
+      positional = trailing + positional
   run_dir = _run_dir(positional, args.get("output_dir"))
   if run_dir is not None:
     args["output_dir"] = run_dir

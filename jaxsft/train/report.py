@@ -51,7 +51,7 @@ def finish(run: Run, result: RunResult, model) -> None:
       "steps": result.steps, "final_loss": result.final_loss, "first_val_loss": result.first_val_loss,
       "val_loss": result.val_loss, "warmup_compiles": result.compiles_warmup, "recompiles": result.recompiles,
       "stopped_early": result.stopped_early, "stopped": result.stopped, "diagnosis": result.diagnosis.pattern,
-      "data": run.data.stats.summary(), "seconds": round(time.time() - run.t_start, 1),
+      "data": run.data.stats.summary(), **data_sources(run), "seconds": round(time.time() - run.t_start, 1),
       "collation": collation_summary(run), **run.param_bytes,
   }
   if result.evaluation:
@@ -88,7 +88,8 @@ def finish_stopped(run: Run, result: RunResult, saved: int | None) -> None:
       "steps": result.steps, "final_loss": result.final_loss, "first_val_loss": result.first_val_loss,
       "val_loss": result.val_loss, "warmup_compiles": result.compiles_warmup, "recompiles": result.recompiles,
       "stopped_early": False, "stopped": result.stopped, "signal": result.stop_signal, "checkpoint_step": saved,
-      "planned_steps": run.total_steps, "data": run.data.stats.summary(), "seconds": round(time.time() - run.t_start, 1),
+      "planned_steps": run.total_steps, "data": run.data.stats.summary(), **data_sources(run),
+      "seconds": round(time.time() - run.t_start, 1),
   }
   summary.update(flops_lib.mean_utilization(run_files.read_records(files.metrics)))
   files.write_json(files.summary, summary)
@@ -97,6 +98,18 @@ def finish_stopped(run: Run, result: RunResult, saved: int | None) -> None:
   elif not run.cfg.logging.quiet:
     print(f"\n== jaxsft run stopped by {result.stop_signal} at step {result.steps} of {run.total_steps}: {files.dir} ==\n"
           f"checkpoint: step {saved}   continue with the same command and --resume", flush=True)
+
+
+def data_sources(run: Run) -> dict:
+  """summary.json's `data_sources` with a `data.mix`: per source its path, weight (as given), share
+  (normalized), and the examples and trained tokens the run took from it (they sum to the pipeline's
+  totals: examples read, and labels != -100 of the batches made); nothing without a mix."""
+  sources, mix = run.cfg.data.mix, run.data.mix
+  if not sources or mix is None:
+    return {}
+  counts = run.data.stats.source_counts(len(sources))
+  return {"data_sources": [{"path": s.path, "weight": s.weight, "share": round(share, 6), **c}
+                           for s, share, c in zip(sources, mix.weights, counts)]}
 
 
 def collation_summary(run: Run) -> dict:
