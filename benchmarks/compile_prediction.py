@@ -50,7 +50,9 @@ def train(args, data: pathlib.Path, out: pathlib.Path, xla_cache: pathlib.Path, 
   r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
   if r.returncode != 0:
     raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
-  collation = json.loads((out / "summary.json").read_text())["collation"]
+  from jaxsft.run_files import RunFiles
+
+  collation = json.loads(RunFiles(out, writer=False).summary.read_text())["collation"]
   return {"collation": collation, "wall_seconds": round(time.time() - t0, 1)}
 
 

@@ -218,6 +218,9 @@ def _peft_config(meta: dict):
 
 
 def jax_worker(workdir, meta, shape, steps, dtype, device) -> dict:
+  from jaxsft import host_memory
+
+  host_memory.keep_freed_memory()  # as `python -m jaxsft.train` does, before JAX's client starts
   import jax
 
   t0 = time.perf_counter()
@@ -242,7 +245,7 @@ def jax_worker(workdir, meta, shape, steps, dtype, device) -> dict:
   cost = cost[0] if isinstance(cost, list) else cost  # older JAX: one dict per computation
   from jaxsft.matmul import cpu_matmul_path
 
-  return {"matmul_path": cpu_matmul_path(model.dtype), "load_s": load_s, "first_step_s": first_step_s, "compile_s": warm["seconds"], "step_times": times,
+  return {"matmul_path": cpu_matmul_path(model.dtype), "host_malloc": host_memory.setting(), "load_s": load_s, "first_step_s": first_step_s, "compile_s": warm["seconds"], "step_times": times,
           "step_cpu_times": cpu_times,
           "losses": losses, "recompiles": step.recompiles, "backend": jax.default_backend(),
           "xla_flops": cost.get("flops"), "xla_bytes_accessed": cost.get("bytes accessed"),
@@ -621,7 +624,7 @@ def summarize(runs: dict, shapes, trained: dict, *, model_flops: dict | None = N
                  "tokens_per_s": b * t / step_s,
                  "xla_flops": ok[0].get("xla_flops"), "xla_bytes_accessed": ok[0].get("xla_bytes_accessed"),
                  "cudnn_attention": ok[0].get("cudnn_attention"), "matmul_path": ok[0].get("matmul_path"),
-                 "adapter_dtypes": ok[0].get("adapter_dtypes"),
+                 "host_malloc": ok[0].get("host_malloc"), "adapter_dtypes": ok[0].get("adapter_dtypes"),
                  "step_cpu_s": common.median([r["step_cpu_s"] for r in ok]),
                  "load_average_at_start": [round(r["load_average_at_start"], 2) for r in ok],
                  "trained_tokens_per_s": trained[key] / step_s,
@@ -687,6 +690,10 @@ def markdown(result: dict, command: str) -> str:
   paths = {per["jaxsft"].get("matmul_path") for per in result["summary"].values()} - {None}
   if paths:
     lines += [f"jaxsft's products: {'; '.join(sorted(paths))} (`jaxsft.matmul.cpu_matmul_path`).", ""]
+  mallocs = {per["jaxsft"].get("host_malloc") for per in result["summary"].values()} - {None}
+  if mallocs:
+    lines += [f"jaxsft's host memory: {'; '.join(sorted(mallocs))} (`jaxsft.host_memory`, as `python -m jaxsft.train` "
+              "sets it); the PyTorch workers keep the system's allocator.", ""]
   adapters = {fw: per[fw]["adapter_dtypes"] for per in result["summary"].values() for fw in PEERS
               if per.get(fw, {}).get("adapter_dtypes")}
   if adapters:

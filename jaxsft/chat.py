@@ -1,9 +1,9 @@
-"""`python -m jaxsft.chat`: talk to a tuned model (or any model jaxsft loads).
+"""`jaxsft chat`: talk to a tuned model (or any model jaxsft loads).
 
-    python -m jaxsft.chat runs/default                       # interactive, the run's model + adapter
-    python -m jaxsft.chat --model smollm2-135m-instruct --adapter runs/default/adapter
-    python -m jaxsft.chat runs/default --prompt "What is the code of river? ..."      # one reply
-    python -m jaxsft.chat runs/default --input prompts.jsonl --output replies.jsonl   # batch
+    jaxsft chat runs/default                       # interactive, the run's model + adapter
+    jaxsft chat --model smollm2-135m-instruct --adapter runs/default/adapter
+    jaxsft chat runs/default --prompt "What is the code of river? ..."      # one reply
+    jaxsft chat runs/default --input prompts.jsonl --output replies.jsonl   # batch
 
 Interactive: a multi-turn conversation rendered with the model's chat template; the reply is
 printed token by token as it is generated; `/reset` starts over, `/exit` (or end of input)
@@ -35,27 +35,14 @@ class ChatError(JaxsftError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-  from jaxsft.help_format import HelpFormatter
-  from jaxsft.quant import QUANTIZE_CHOICES
+  from jaxsft.cli import HelpFormatter, add_model_source
 
-  parser = argparse.ArgumentParser(prog="python -m jaxsft.chat", description=__doc__.split("\n\n")[0],
+  parser = argparse.ArgumentParser(prog="jaxsft chat", description=__doc__.split("\n\n")[0],
                                    formatter_class=HelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-  load = parser.add_argument_group("the model (a run directory, or a model and an adapter)")
-  load.add_argument("run_dir", nargs="?", help="a run directory written by python -m jaxsft.train "
-                    "(its model and adapter, or its full fine-tuned model)")
-  load.add_argument("--model", help="a model jaxsft loads (short name, HF directory, hub id, .gguf); "
-                    "instead of RUN_DIR")
-  load.add_argument("--adapter", help="a PEFT LoRA adapter directory to load onto --model")
+  load = add_model_source(parser)
   load.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None,
                     help="compute dtype (default: the run's, else float32; auto: bfloat16 on a GPU/TPU, "
                     "float32 on a CPU)")
-  load.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=None,
-                    help="with --model: store the base's projection kernels block-quantized, as a QLoRA "
-                    "run (model.quantize) trained the adapter (default: none; a RUN_DIR brings its own)")
-  load.add_argument("--quant-block-size", type=int, default=None,
-                    help="with --quantize int8/nf4/int4: inputs per quantization block (default: 32)")
-  load.add_argument("--quantize-embeddings", action="store_true", default=None,
-                    help="with --quantize: the embeddings and LM head too (model.quantize_embeddings)")
   prompts = parser.add_argument_group("what to answer (interactive without --prompt or --input)")
   prompts.add_argument("--system", help="a system prompt for the conversation")
   prompts.add_argument("--prompt", help="one user message: print the reply and exit")
@@ -72,12 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+  from jaxsft.cli import check_model_source
+
   parser = build_parser()
   args = parser.parse_args(argv)
-  if (args.run_dir is None) == (args.model is None):
-    parser.error("give RUN_DIR or --model (one of them)")
-  if args.adapter and args.run_dir:
-    parser.error("--adapter goes with --model; a RUN_DIR brings its own adapter")
+  check_model_source(parser, args)
   if args.run_dir and (args.quantize is not None or args.quant_block_size is not None or args.quantize_embeddings):
     parser.error("--quantize goes with --model; a RUN_DIR loads its base quantized as the run trained it")
   if args.quantize_embeddings and args.quantize in (None, "none"):
@@ -111,14 +97,11 @@ def load(model_name: str, adapter: str | None, dtype: str, quantize: str = "none
 
 
 def load_from_args(args):
-  if args.run_dir:
-    from jaxsft.run_files import resolve_run
+  from jaxsft.cli import model_source
 
-    source = resolve_run(args.run_dir)
-    return load(source.model, source.adapter, args.dtype or source.dtype, source.quantize, source.quant_block_size,
-                source.quantize_embeddings)
-  return load(args.model, args.adapter, args.dtype or "float32", args.quantize or "none",
-              args.quant_block_size or 32, bool(args.quantize_embeddings))
+  source = model_source(args)
+  return load(source.model, source.adapter, args.dtype or source.dtype, source.quantize, source.quant_block_size,
+              source.quantize_embeddings)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,6 +225,7 @@ def interactive(model, tokenizer, args, sampling, stdin=None, out=None) -> int:
 
 
 def main(argv=None) -> int:
+  logging.basicConfig(level=logging.WARNING)
   args = parse_args(argv)
   return errors.run_cli(lambda: _main(args))
 
@@ -265,5 +249,4 @@ def _main(args) -> int:
 
 
 if __name__ == "__main__":
-  logging.basicConfig(level=logging.WARNING)
   sys.exit(main())

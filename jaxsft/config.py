@@ -18,7 +18,8 @@ import types
 import typing
 from typing import Any
 
-from jaxsft.config_checks import CHOICES, RANGES, check_choice, check_range, validate  # noqa: F401 (config.validate, its tables)
+from jaxsft.config_checks import (CHOICES, RANGES, check_choice, check_data_sources, check_range,  # noqa: F401
+                                  validate)  # (config.validate, its tables, check_data_sources: re-exported)
 from jaxsft.errors import ConfigError, one_line
 from jaxsft.quant.formats import DEFAULT_BLOCK
 
@@ -63,6 +64,17 @@ class LoraConfig:
 
 
 @dataclasses.dataclass
+class MixSource:
+  """One source of `data.mix`: a data file read as `data.path` reads one, with its own field map and
+  format, drawn with `weight` (relative to the other sources' weights)."""
+
+  path: str
+  weight: float = 1.0
+  field_map: dict[str, str] | None = None
+  format: str = "auto"
+
+
+@dataclasses.dataclass
 class DataConfig:
   path: str | None = None
   """Training data: JSON/JSONL (.gz too), parquet, Arrow, a folder of parquet shards or of `datasets`'
@@ -71,6 +83,15 @@ class DataConfig:
   """Map of canonical field names to the file's names, e.g. {"output": "response"}."""
   format: str = "auto"
   """The records' format: auto (detected from each record's fields) or one named format."""
+  mix: tuple[MixSource, ...] | None = None
+  """Several data files mixed by weight, instead of `path`: in YAML a list of {path, weight, field_map, format}
+  (field_map and format as for `path`, per source); on the command line `--data.mix a.json=0.7 b.jsonl=0.3`.
+  Weights are relative (normalized to sum 1). Each epoch draws the sources interleaved in proportion to their
+  weights (Grain's MapDataset.mix), each source in its own shuffled order, and ends when the source with the
+  fewest records per unit of weight has given each of its records once; the other sources go on where they
+  stopped in the next epoch. Each source holds out its own share of records (`val_fraction`, at most
+  max_val_examples / number of sources each, rounded up); validation uses them all, unweighted. summary.json's
+  `data_sources` counts each source's examples and trained tokens."""
   val_path: str | None = None
   """Held-out data; without it `val_fraction` of the training records are held out."""
   val_fraction: float = 0.1
@@ -295,6 +316,8 @@ def coerce(key: str, tp, value):
       except ConfigError:
         pass
     return coerce(key, inner[-1], value)
+  if tp is MixSource:
+    return _mix_source(key, value)
   try:
     if tp is bool:
       if isinstance(value, bool):
@@ -321,7 +344,10 @@ def coerce(key: str, tp, value):
         value = json.loads(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
       if not isinstance(value, (list, tuple)):
         raise ValueError
-      return tuple(coerce(key, args[0], v) for v in value)
+      entries = tuple(coerce(key, args[0], v) for v in value)
+      if args[0] is MixSource:
+        _check_distinct_paths(key, entries)
+      return entries
     if origin is dict:
       if isinstance(value, str):
         value = json.loads(value)
@@ -335,8 +361,55 @@ def coerce(key: str, tp, value):
   raise ConfigError(f"{key}: unsupported type {tp}")
 
 
+def _mix_source(key: str, value) -> MixSource:
+  """One `data.mix` entry from `PATH=WEIGHT` (the command line) or a mapping (YAML, JSON); a malformed
+  entry or a weight that is not a finite number > 0 is a ConfigError naming the entry."""
+  if isinstance(value, str):
+    path, sep, weight = value.rpartition("=")  # the last '=': a path may hold one, a number never does
+    if not sep or not path.strip() or not weight.strip():
+      raise ConfigError(f"{key}: {value!r} is not PATH=WEIGHT (e.g. a.json=0.7)")
+    value = {"path": path.strip(), "weight": weight.strip()}
+  if not isinstance(value, dict):
+    raise ConfigError(f"{key}: {value!r} is not PATH=WEIGHT or a mapping {{path, weight, field_map, format}}")
+  names = [f.name for f in dataclasses.fields(MixSource)]
+  unknown = sorted(set(value) - set(names))
+  if unknown or "path" not in value:
+    what = f"unknown key(s) {unknown}" if unknown else "no path"
+    raise ConfigError(f"{key}: {value!r} has {what}; an entry takes {names}")
+  hints = typing.get_type_hints(MixSource)
+  path = coerce(f"{key}.path", hints["path"], value["path"])
+  entry = {}
+  for name in names[1:]:
+    if name in value:
+      try:
+        entry[name] = coerce(name, hints[name], value[name])
+        if name == "format" and entry[name] not in CHOICES["data.format"]:
+          raise ConfigError(f"format: {entry[name]!r} is not one of {list(CHOICES['data.format'])}")
+      except ConfigError as e:
+        raise ConfigError(f"{key}: {path}: {e}") from None
+  source = MixSource(path, **entry)
+  import math
+
+  if not (math.isfinite(source.weight) and source.weight > 0):
+    raise ConfigError(f"{key}: {path}: weight must be a finite number > 0, got {source.weight}")
+  return source
+
+
+def _check_distinct_paths(key: str, entries: tuple[MixSource, ...]) -> None:
+  """Each file once: a file given twice would be two sources of the same records."""
+  import os
+
+  seen = {}
+  for entry in entries:
+    where = os.path.normpath(os.path.abspath(os.path.expanduser(entry.path)))
+    if where in seen:
+      raise ConfigError(f"{key}: {entry.path} is given twice (also as {seen[where]}); give each file once, "
+                        "with the weight of both")
+    seen[where] = entry.path
+
+
 def type_name(tp) -> str:
-  return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+  return getattr(tp, "__name__", None) or str(tp).replace("typing.", "").replace(f"{__name__}.", "")
 
 
 def apply_overrides(config: TrainConfig, overrides: dict[str, Any], source: str = "command line") -> TrainConfig:

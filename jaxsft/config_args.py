@@ -1,6 +1,7 @@
 """The train command line: `--help` documents every key of the config tree (dotted, with its
 alias, type, default and meaning, read from `jaxsft.config`'s dataclasses), and `parse_args`
-reads the defaults ← --config YAML ← --flags ← key=value into a validated `TrainConfig`."""
+reads the defaults ← --config YAML ← --flags ← RUN_DIR and key=value into a validated
+`TrainConfig`."""
 
 from __future__ import annotations
 
@@ -10,18 +11,22 @@ import sys
 from jaxsft.config import (ALIASES, CHOICES, DEFAULT_CONFIG, ConfigError, TrainConfig, apply_overrides, fields, load_yaml,
                            type_name, validate)
 
+# Keys whose flag takes several values; argparse gives such a flag every word up to the next option.
+MANY_VALUES = ("data.mix",)
+
 
 def build_parser() -> argparse.ArgumentParser:
   """`--help` documents every key (dotted, with its alias, type, default and meaning)."""
   parser = argparse.ArgumentParser(
-      prog="python -m jaxsft.train",
+      prog="jaxsft train",
       description="LoRA supervised fine-tuning in JAX. With no arguments it runs the embedded default "
       f"({DEFAULT_CONFIG.name}: SmolLM2-135M-Instruct on jaxsft's built-in synthetic task set); --config FILE "
       "replaces that base. Defaults shown below are the dataclass defaults. "
-      "Overrides: --key value, --key=value or key=value.",
+      "Overrides: --key value, --key=value or key=value. The run folder: RUN_DIR, as every jaxsft command "
+      "takes it, or --output-dir.",
       formatter_class=argparse.RawDescriptionHelpFormatter,
       allow_abbrev=False,
-      epilog="Example: python -m jaxsft.train --config configs/alpaca.yaml --lr 1e-4 max_steps=100",
+      epilog="Example: jaxsft train runs/alpaca --config configs/alpaca.yaml --lr 1e-4 max_steps=100",
   )
   parser.add_argument("--config", help="YAML file mirroring the config tree (configs/*.yaml)")
   defaults = TrainConfig()
@@ -42,10 +47,25 @@ def build_parser() -> argparse.ArgumentParser:
     help_text = f"{doc} [{type_name(tp)}{choices}; default {obj!r}]".strip()
     if tp is bool:
       group.add_argument(*names, dest=key, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+    elif key in MANY_VALUES:  # --data.mix a.json=0.7 b.jsonl=0.3
+      group.add_argument(*names, dest=key, nargs="+", default=argparse.SUPPRESS, metavar="PATH=WEIGHT", help=help_text)
     else:
       group.add_argument(*names, dest=key, default=argparse.SUPPRESS, metavar=key.rsplit(".", 1)[-1].upper(), help=help_text)
-  parser.add_argument("overrides", nargs="*", help="key=value overrides (dotted keys or aliases)")
+  parser.add_argument("overrides", nargs="*", metavar="RUN_DIR|key=value",
+                      help="the run folder (output_dir; a name without '='), then key=value overrides (dotted keys "
+                           "or aliases)")
   return parser
+
+
+def _split_trailing_overrides(values: list[str]) -> tuple[list[str], list[str]]:
+  """(the flag's own values, the key=value overrides argparse also gave it): `--data.mix a.json=0.7
+  max_steps=5` ends the sources at the first word whose left side is a config key or alias."""
+  keys = set(fields()) | set(ALIASES)
+  for i, value in enumerate(values):
+    left = value.split("=", 1)[0].strip()
+    if "=" in value and (left in keys or left.replace("-", "_") in keys):
+      return values[:i], values[i:]
+  return values, []
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -58,13 +78,30 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
   args = vars(ns)
   config = load_yaml(args.pop("config", None) or DEFAULT_CONFIG)
   positional = args.pop("overrides", [])
+  for key in MANY_VALUES:
+    if key in args:
+      args[key], trailing = _split_trailing_overrides(args[key])
+      positional = trailing + positional
+  run_dir = _run_dir(positional, args.get("output_dir"))
+  if run_dir is not None:
+    args["output_dir"] = run_dir
   config = apply_overrides(config, args)
   pairs = {}
   for item in positional:
-    if "=" not in item:
-      raise ConfigError(f"override {item!r} is not key=value")
-    k, v = item.split("=", 1)
-    pairs[k.strip()] = v
+    if item != run_dir:
+      k, v = item.split("=", 1)
+      pairs[k.strip()] = v
   config = apply_overrides(config, pairs)
   validate(config)
   return config
+
+
+def _run_dir(positional: list[str], flag: str | None) -> str | None:
+  """RUN_DIR: the one positional word without '=' (the others are key=value), the run folder
+  `--output-dir` names too; None without one."""
+  words = [item for item in positional if "=" not in item]
+  if len(words) > 1:
+    raise ConfigError(f"override {words[1]!r} is not key=value (the run folder is {words[0]!r})")
+  if words and flag is not None:
+    raise ConfigError(f"the run folder is given twice: RUN_DIR {words[0]!r} and --output-dir {flag!r}; give one")
+  return words[0] if words else None

@@ -108,6 +108,7 @@ def validate(cfg) -> None:
     check_range(key, value, source="config")
   _check_model(cfg)
   _check_trainable(cfg)
+  check_data_sources(cfg.data)
   _check_batching(cfg.data)
 
 
@@ -141,6 +142,15 @@ def _check_trainable(cfg) -> None:
     re.compile(cfg.trainable)
   except re.error as e:
     raise ConfigError(f"trainable: {cfg.trainable!r} is not a valid regex ({e})") from None
+
+
+def check_data_sources(d) -> None:
+  """`data.path` and `data.mix` name the training data two ways: one of them, not both."""
+  if d.mix is not None and d.path is not None:
+    raise ConfigError(f"data.mix and data.path are both set (data.path={d.path}): give the training data one way; "
+                      "data.path=null clears it")
+  if d.mix is not None and not d.mix:
+    raise ConfigError("data.mix is empty: give at least one PATH=WEIGHT, or data.mix=null")
 
 
 def _check_batching(d) -> None:

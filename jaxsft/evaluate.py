@@ -104,11 +104,11 @@ def format_comparison(out: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  from jaxsft.help_format import HelpFormatter
+  from jaxsft.cli import HelpFormatter, add_run_dir
 
-  parser = argparse.ArgumentParser(prog="python -m jaxsft.evaluate", description=__doc__.split("\n\n")[0],
+  parser = argparse.ArgumentParser(prog="jaxsft evaluate", description=__doc__.split("\n\n")[0],
                                    formatter_class=HelpFormatter)
-  parser.add_argument("run_dir", help="a directory written by python -m jaxsft.train")
+  add_run_dir(parser)
   parser.add_argument("--num-prompts", type=int, default=None,
                       help="held-out prompts to generate for (default: the run's eval.num_prompts)")
   parser.add_argument("--max-new-tokens", type=int, default=None,
@@ -154,7 +154,7 @@ def _main(args) -> int:
     lora_lib.load_adapter(model, str(files.adapter))
   records = json.loads(files.heldout.read_text())
   out = compare_base_and_tuned(model, tokenizer, records, cfg, base=base)
-  files.write_json("evaluation.json", out)
+  files.write_json(files.evaluation, out)
   return 0
 
 

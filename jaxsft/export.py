@@ -1,9 +1,9 @@
-"""`python -m jaxsft.export`: the tuned model as one standalone model, for transformers or llama.cpp.
+"""`jaxsft export`: the tuned model as one standalone model, for transformers or llama.cpp.
 
-    python -m jaxsft.export runs/default --out exported/default-hf                 # HF folder
-    python -m jaxsft.export runs/default --out exported/default-gguf --format gguf --dtype q8_0
-    python -m jaxsft.export --model smollm2-135m-instruct --adapter runs/default/adapter --out DIR
-    python -m jaxsft.export --model smollm2-135m-instruct --quantize nf4 --out DIR    # the base a QLoRA run sees
+    jaxsft export runs/default --out exported/default-hf                 # HF folder
+    jaxsft export runs/default --out exported/default-gguf --format gguf --dtype q8_0
+    jaxsft export --model smollm2-135m-instruct --adapter runs/default/adapter --out DIR
+    jaxsft export --model smollm2-135m-instruct --quantize nf4 --out DIR    # the base a QLoRA run sees
 
 The LoRA update is merged into the base in float32, W' = W + s · A B (s = alpha / r, or
 alpha / √r with rsLoRA), and only then cast to `--dtype`, so the cast rounds once.
@@ -235,22 +235,11 @@ def export(model_name: str, adapter: str | None, out: str | pathlib.Path, *, fmt
 
 
 def build_parser() -> argparse.ArgumentParser:
-  from jaxsft.help_format import HelpFormatter
-  from jaxsft.config_checks import QUANTIZE_CHOICES
+  from jaxsft.cli import HelpFormatter, add_model_source
 
-  parser = argparse.ArgumentParser(prog="python -m jaxsft.export", description=__doc__.split("\n\n")[0],
+  parser = argparse.ArgumentParser(prog="jaxsft export", description=__doc__.split("\n\n")[0],
                                    formatter_class=HelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-  source = parser.add_argument_group("what to export (a run directory, or a model and an adapter)")
-  source.add_argument("run_dir", nargs="?", help="a run directory written by python -m jaxsft.train")
-  source.add_argument("--model", help="the base model (instead of RUN_DIR)")
-  source.add_argument("--adapter", help="a PEFT LoRA adapter directory to merge into --model")
-  source.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=None,
-                      help="the base as a run with this model.quantize sees it, dequantized (default: the run's, "
-                           "or none)")
-  source.add_argument("--quant-block-size", type=int, default=None, help="model.quant_block_size of that run (32)")
-  source.add_argument("--quantize-embeddings", action="store_true", default=None,
-                      help="model.quantize_embeddings of that run: the embeddings and LM head quantized too "
-                           "(default: the run's, or off)")
+  add_model_source(parser)  # a quantized base is dequantized, then merged
   output = parser.add_argument_group("what to write")
   output.add_argument("--out", required=True, help="the folder to write (refused if it exists, unless --overwrite)")
   output.add_argument("--format", choices=("hf", "gguf"), default="hf",
@@ -263,12 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+  from jaxsft.cli import check_model_source
+
   parser = build_parser()
   args = parser.parse_args(argv)
-  if (args.run_dir is None) == (args.model is None):
-    parser.error("give RUN_DIR or --model (one of them)")
-  if args.adapter and args.run_dir:
-    parser.error("--adapter goes with --model; a RUN_DIR brings its own adapter")
+  check_model_source(parser, args)
   return args
 
 
@@ -278,23 +266,14 @@ def main(argv=None) -> int:
 
 
 def _main(args) -> int:
-  from jaxsft.run_files import resolve_run
+  from jaxsft.cli import model_source
 
-  quantize, block, embeddings = "none", 32, False
-  if args.run_dir:
-    source = resolve_run(args.run_dir)
-    model_name, adapter = source.model, source.adapter
-    quantize, block, embeddings = source.quantize, source.quant_block_size, source.quantize_embeddings
-  else:
-    model_name, adapter = args.model, args.adapter
-  quantize = args.quantize or quantize
-  block = args.quant_block_size or block
-  embeddings = args.quantize_embeddings or embeddings
-  if embeddings and quantize == "none":
+  source = model_source(args)
+  if source.quantize_embeddings and source.quantize == "none":
     raise ExportError("--quantize-embeddings needs --quantize (int8, nf4, int4 or gguf)")
-  out = export(model_name, adapter, args.out, fmt=args.format, dtype=args.dtype, overwrite=args.overwrite,
-               max_shard_size=args.max_shard_size, run_dir=args.run_dir, quantize=quantize, quant_block_size=block,
-               quantize_embeddings=embeddings)
+  out = export(source.model, source.adapter, args.out, fmt=args.format, dtype=args.dtype, overwrite=args.overwrite,
+               max_shard_size=args.max_shard_size, run_dir=args.run_dir, quantize=source.quantize,
+               quant_block_size=source.quant_block_size, quantize_embeddings=source.quantize_embeddings)
   size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
   print(f"wrote {out} ({args.format}, {args.dtype}, {size / 2**20:.1f} MiB)", file=sys.stderr)
   return 0

@@ -36,7 +36,7 @@ def plot_loss_curve(run_dir_or_metrics, out_png: str | os.PathLike | None = None
   if out_png is None:
     if log.path is None:
       raise ValueError("plot_loss_curve: out_png is required when passing loaded metrics")
-    out_png = log.path.parent / "loss_curve.png"
+    out_png = run_files.RunFiles(log.path.parent, writer=False).loss_curve
   out_png = pathlib.Path(out_png)
 
   # Lazily (slow to import, and only the end of a run needs it); an Agg canvas on a bare Figure

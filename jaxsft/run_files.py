@@ -1,8 +1,8 @@
 """What a run writes and reads back, each file written atomically (`jaxsft.io`).
 
 - `RunLock`: one writer per run directory.
-- `RunFiles`: the layout of a run directory (where its config, metrics, checkpoints and tuned
-  weights are), the `metrics.jsonl` writer and the save of the adapter or full model.
+- `RunFiles`: the layout of a run directory (every file and folder a run writes is named there
+  and nowhere else), the `metrics.jsonl` writer and the save of the adapter or full model.
 - `resolve_run`: what loads a finished run's tuned model (chat, export).
 - `read_metrics`: the one `metrics.jsonl` reader (the doctor, the plot and the tests use it).
 
@@ -125,8 +125,9 @@ ORBAX_TEMP = ".orbax-checkpoint-tmp"  # orbax's name for a step folder before it
 
 
 class RunFiles:
-  """A run directory: metrics.jsonl (appended, one line per record), JSON files, the tuned weights.
+  """A run directory: every file and folder a run writes is named here, and only here.
 
+  metrics.jsonl is appended (one line per record), the JSON and text files are written whole.
   The tuned weights are `adapter/` (a PEFT LoRA adapter) or, for a full fine-tuning run,
   `model/` (the whole model as a Hugging Face folder): `tuned` names the folder of a mode and
   `holds_full_model` tells a reader which one a run holds. With several processes only process 0
@@ -136,13 +137,32 @@ class RunFiles:
   def __init__(self, output_dir: str | os.PathLike, writer: bool = True):
     self.dir = pathlib.Path(output_dir)
     self.writer = writer
-    self.config = self.dir / "config.json"
-    self.heldout = self.dir / "heldout.json"
+    # What every run writes.
+    self.config = self.dir / "config.json"  # the run's whole config tree (chat, export, evaluate read it)
+    self.heldout = self.dir / "heldout.json"  # the held-out records (evaluate prompts with them)
     self.metrics = self.dir / "metrics.jsonl"
-    self.checkpoints = self.dir / "checkpoints"
+    self.checkpoints = self.dir / "checkpoints"  # orbax's step folders
     self.adapter = self.dir / "adapter"
     self.full_model = self.dir / "model"
+    self.lock_file = self.dir / RunLock.NAME  # only while a process writes the run
+    # What a run that finishes writes.
+    self.loss_curve = self.dir / "loss_curve.png"
+    self.doctor_report = self.dir / "doctor.txt"
+    self.evaluation = self.dir / "evaluation.json"  # with eval.generate; `jaxsft evaluate` rewrites it
+    self.summary = self.dir / "summary.json"  # a run a signal stopped writes it too
+    # What some runs write: a resume that found damaged checkpoints, the trackers.
+    self.damaged_checkpoints = self.dir / "damaged_checkpoints"
+    self.tensorboard = self.dir / "tensorboard"  # event files, with logging.tensorboard
+    self.wandb_run_id = self.dir / "wandb_run_id"  # the W&B run a resumed run goes on with
+    self.wandb = self.dir / "wandb"  # W&B's own folder (wandb.init(dir=RUN_DIR) makes it)
     self.sinks: list[Callable[[dict], None]] = []  # also fed every logged record (`jaxsft.tracking`)
+
+  FOLDERS = ("checkpoints", "adapter", "full_model", "damaged_checkpoints", "tensorboard", "wandb")
+  FILES = ("config", "heldout", "metrics", "lock_file", "loss_curve", "doctor_report", "evaluation", "summary", "wandb_run_id")
+
+  def layout(self) -> dict[str, pathlib.Path]:
+    """Every file and folder of the run by attribute name (`FILES`, then `FOLDERS`)."""
+    return {name: getattr(self, name) for name in self.FILES + self.FOLDERS}
 
   def holds_a_run(self) -> bool:
     return self.checkpoints.exists() or self.metrics.exists()
@@ -178,13 +198,20 @@ class RunFiles:
     if lock is not None:
       lock.release()
 
-  def write_json(self, name: str, obj) -> None:
+  def write_json(self, path: pathlib.Path, obj) -> None:
+    """Writes one of the run's files (`path`: one of `layout()`'s, e.g. `files.summary`)."""
     if self.writer:
-      io.write_json(self.dir / name, obj)
+      io.write_json(self._own_file(path), obj)
 
-  def write_text(self, name: str, text: str) -> None:
+  def write_text(self, path: pathlib.Path, text: str) -> None:
     if self.writer:
-      io.write_text(self.dir / name, text)
+      io.write_text(self._own_file(path), text)
+
+  def _own_file(self, path: pathlib.Path) -> pathlib.Path:
+    # A bare name ("summary.json") would be written relative to the working directory.
+    if path not in (self.layout()[name] for name in self.FILES):
+      raise ValueError(f"{path} is not a file of the run layout (RunFiles.FILES)")
+    return path
 
   def log(self, record: dict) -> None:
     """Appends one metrics line (a line is written whole or, on a crash, is the last and cut),
@@ -292,7 +319,7 @@ class MetricsLog:
 
 def metrics_path(run_dir_or_file: str | os.PathLike) -> pathlib.Path:
   path = pathlib.Path(run_dir_or_file)
-  return path / "metrics.jsonl" if path.is_dir() else path
+  return RunFiles(path, writer=False).metrics if path.is_dir() else path
 
 
 def _number(obj: dict, key: str, where: str, *, integer: bool = False):

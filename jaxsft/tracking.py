@@ -39,6 +39,8 @@ import sys
 import time
 from typing import Protocol
 
+from jaxsft.run_files import RunFiles
+
 log = logging.getLogger("jaxsft.tracking")
 
 SCALARS = ("loss", "lr", "grad_norm", "tokens", "real_tokens", "valid_tokens", "padding_fraction", "tokens_per_s",
@@ -138,14 +140,15 @@ class TensorBoard:
 class WandB:
   """A W&B run (online or offline) of the config, resumed by the id kept in the run directory."""
 
-  def __init__(self, run_dir: pathlib.Path, project: str, mode: str, config: dict):
+  def __init__(self, files: RunFiles, project: str, mode: str, config: dict):
     os.environ.setdefault("WANDB_SILENT", "true")  # W&B's own terminal lines off
     import wandb
 
     self.wandb, self.mode = wandb, mode
-    id_file = run_dir / "wandb_run_id"
+    run_dir, id_file = files.dir, files.wandb_run_id
     run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)  # W&B ids: [a-z0-9]
     # console="off": W&B must not wrap stdout/stderr (stdout holds only the closing summary).
+    # dir=RUN_DIR: W&B keeps its local run in RUN_DIR/wandb (`RunFiles.wandb`).
     self.run = wandb.init(project=project, name=run_dir.name, id=run_id, resume="allow", mode=mode,
                           dir=str(run_dir), config=config,
                           settings=wandb.Settings(console="off", silent=True, x_disable_stats=True))
@@ -208,15 +211,16 @@ def open_trackers(logging_cfg, run_dir: pathlib.Path, *, resumed_at: int | None,
   """The trackers `logging_cfg` asks for. `resumed_at`: the restored step of a resumed run (its
   later events are purged), None for a fresh run."""
   trackers: dict[str, Tracker] = {}
+  files = RunFiles(run_dir, writer=False)
   if logging_cfg.tensorboard:
     try:
-      trackers["tensorboard"] = TensorBoard(run_dir / "tensorboard", None if resumed_at is None else resumed_at + 1)
+      trackers["tensorboard"] = TensorBoard(files.tensorboard, None if resumed_at is None else resumed_at + 1)
     except ImportError:
       log.warning("logging.tensorboard: the tensorboardX package is not installed (pip install tensorboardX); "
                   "no event files")
   if logging_cfg.wandb:
     try:
-      trackers["wandb"] = WandB(run_dir, logging_cfg.wandb_project, logging_cfg.wandb_mode, config)
+      trackers["wandb"] = WandB(files, logging_cfg.wandb_project, logging_cfg.wandb_mode, config)
     except ImportError:
       log.warning("logging.wandb: the wandb package is not installed (pip install 'jaxsft[wandb]'); "
                   "training goes on without W&B")

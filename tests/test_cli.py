@@ -21,7 +21,46 @@ def test_jaxsft_help_lists_every_command(run_cli):
 def test_a_command_forwards_its_arguments_to_the_module_main(run_cli):
   r = run_cli(cli.main, ["doctor", "--help"])
   assert r.returncode == 0, r.stderr
-  assert r.stdout.startswith("usage: python -m jaxsft.doctor") and "--json" in r.stdout
+  assert r.stdout.startswith("usage: jaxsft doctor") and "--json" in r.stdout
+
+
+def test_every_command_names_itself_jaxsft_command_and_takes_the_run_folder_as_run_dir(run_cli):
+  for name in cli.COMMANDS:
+    r = run_cli(cli.main, [name, "--help"])
+    assert r.returncode == 0, (name, r.stderr)
+    assert r.stdout.startswith(f"usage: jaxsft {name} "), (name, r.stdout[:200])
+    # data's RUN_DIR is where stats reads a measured cost (--cost-from), its subject a data file
+    usage = run_cli(cli.main, [name, "stats", "--help"]).stdout if name == "data" else r.stdout
+    assert "RUN_DIR" in usage, (name, usage[:400])
+    assert "python -m" not in r.stdout, name
+
+
+def test_chat_and_export_share_one_set_of_model_flags():
+  from jaxsft import chat, export
+
+  def model_flags(parser):
+    (group,) = [g for g in parser._action_groups if g.title.startswith("the model")]
+    return [(a.dest, a.option_strings, a.choices, a.default, a.help) for a in group._group_actions]
+
+  flags = model_flags(export.build_parser())
+  assert [dest for dest, *_ in flags] == ["run_dir", "model", "adapter", "quantize", "quant_block_size",
+                                          "quantize_embeddings"]
+  assert model_flags(chat.build_parser())[:len(flags)] == flags  # chat adds its compute --dtype after them
+
+
+def test_a_command_module_ends_its_process_through_its_own_exit_only_where_it_has_one():
+  import importlib
+
+  ends = {name: hasattr(importlib.import_module(module), "exit_after_run") for name, (module, _) in cli.COMMANDS.items()}
+  assert ends == {name: name == "train" for name in cli.COMMANDS}
+
+
+def test_python_dash_m_runs_the_same_command_as_jaxsft():
+  for module in ("jaxsft.train", "jaxsft.doctor", "jaxsft.chat"):
+    r = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert r.returncode == 0, (module, r.stderr[-2000:])
+    assert r.stdout.startswith(f"usage: jaxsft {module.split('.')[1]} "), (module, r.stdout[:200])
 
 
 def test_an_unknown_command_is_one_error_line_and_exit_2(run_cli):

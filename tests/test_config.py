@@ -12,7 +12,7 @@ def test_defaults_and_overrides_in_every_form():
   assert cfg.optim.lr == 1e-4 and cfg.max_steps == 10 and cfg.resume is True
   assert cfg.lora.target_modules == ("q_proj", "v_proj", "o_proj")
   assert cfg.data.field_map == {"output": "response"} and cfg.data.batching == "packed"
-  # No --config: the embedded default run (configs/default.yaml links to it).
+  # No --config: the embedded default run, the one default config (it ships in the package).
   assert config_args.parse_args([]) == c.load_yaml(c.DEFAULT_CONFIG)
   assert config_args.parse_args([]).data.path is None and config_args.parse_args([]).optim.lr == 2e-3
   assert c.TrainConfig().optim.lr == 2e-4  # the library default
@@ -24,7 +24,8 @@ def test_defaults_and_overrides_in_every_form():
     (["data.batching=foo"], ["data.batching", "static", "packed"]),
     (["--epochs", "1.5"], ["epochs", "int"]),
     (["nonsense=1"], ["unknown key 'nonsense'", "optim.lr"]),
-    (["justaword"], ["not key=value"]),
+    (["runs/a", "justaword"], ["not key=value", "'justaword'", "run folder is 'runs/a'"]),
+    (["runs/a", "--output-dir", "runs/b"], ["given twice", "'runs/a'", "'runs/b'"]),
 ])
 def test_bad_keys_and_values_are_clear_errors(argv, words):
   with pytest.raises(c.ConfigError) as e:
@@ -55,12 +56,20 @@ def test_every_key_is_in_help():
   assert "--lr" in text and "--data" in text
 
 
+def test_the_run_folder_is_the_positional_run_dir_or_output_dir_alike():
+  assert config_args.parse_args(["runs/a", "--lr", "1e-4", "max_steps=3"]).output_dir == "runs/a"
+  assert config_args.parse_args(["max_steps=3", "runs/a"]) == config_args.parse_args(["--output-dir", "runs/a", "max_steps=3"])
+  assert config_args.parse_args(["runs/a", "output_dir=runs/b"]).output_dir == "runs/b"  # key=value wins, as over any flag
+  assert config_args.parse_args([]).output_dir == "runs/default"
+
+
 def test_shipped_configs_parse():
   import pathlib
 
-  configs = sorted((pathlib.Path(__file__).parents[1] / "configs").glob("*.yaml"))
-  assert configs, "configs/ holds the default and at least one real-data config"
-  for path in configs:
+  root = pathlib.Path(__file__).parents[1]
+  configs = sorted((root / "configs").glob("*.yaml"))
+  assert configs, "configs/ holds at least one real-data config"
+  for path in [c.DEFAULT_CONFIG, *configs]:
     c.load_yaml(path)
 
 
@@ -153,3 +162,13 @@ def test_checks_that_need_a_runtime_fact_raise_the_same_config_error(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps(families.to_hf_config(TINY)))
   with pytest.raises(c.ConfigError, match=r"model\.quantize=gguf keeps a GGUF file's own blocks"):
     loading.load_causal_lm(str(tmp_path), quantize="gguf")
+  # One default config: the packaged one, no second copy (or link) beside the real-data ones.
+  assert c.DEFAULT_CONFIG == root / "jaxsft" / "configs" / "default.yaml" and c.DEFAULT_CONFIG.is_file()
+  assert not any(path.name == c.DEFAULT_CONFIG.name for path in root.joinpath("configs").rglob("*"))
+
+
+def test_validate_holds_the_data_sources_rule():
+  with pytest.raises(c.ConfigError, match=r"data\.mix is empty"):
+    c.validate(_built(data__mix=()))
+  with pytest.raises(c.ConfigError, match=r"data\.mix and data\.path are both set"):
+    c.validate(_built(data__mix=(c.MixSource("a.json"),), data__path="b.json"))

@@ -90,7 +90,7 @@ def test_cli_end_to_end_on_a_tiny_model(tiny_dir, small_data, tmp_path, train_ma
   assert summary["matmul_path"].startswith("float32 products on XLA's CPU kernels")  # which kernels ran, said
   assert f"matmuls: {summary['matmul_path']}" in r.stdout
   adapter_config = json.loads((out / "adapter/adapter_config.json").read_text())
-  assert adapter_config["peft_type"] == "LORA" and adapter_config["r"] == 16  # the embedded default (configs/default.yaml)
+  assert adapter_config["peft_type"] == "LORA" and adapter_config["r"] == 16  # the embedded default (jaxsft/configs/default.yaml)
   assert "loss curve:" in r.stdout and "task score" in r.stdout  # the closing summary is on stdout
   # A second run into the same folder without --resume is refused, and nothing is touched.
   before = (out / "metrics.jsonl").read_text()

@@ -4,7 +4,8 @@ records.py (files -> chat records; json_array.py streams JSON arrays), template.
 rendering, the trained reply spans), tokenize.py (records -> token ids and labels), examples.py
 (`TokenizedRecords`, in memory or from a store), collate.py (padding, bucket choice), bucketing.py
 (length-grouped batching, bucketed packing), packing.py (packed modes; rows.py the rows of bucketed packing),
-pipeline.py (the Grain chain and its entry points; pipeline_stats.py its counters), cost.py (the
+pipeline.py (the Grain chain and its entry points; pipeline_stats.py its counters), mix.py (several
+sources drawn by weight: `data.mix`), cost.py (the
 collation cost model), choose.py (plans priced by it: packing widths, `batching: auto`), store.py
 (a file tokenized once into a memory-mapped token store), stats.py (`python -m jaxsft.data stats`).
 """

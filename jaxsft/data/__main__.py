@@ -1,4 +1,4 @@
-"""`python -m jaxsft.data build|stats --data FILE [--model M] [--max-length N] [--train-on W] ...`
+"""`jaxsft data build|stats --data FILE [--model M] [--max-length N] [--train-on W] ...`
 
 build: tokenizes the data into its token store (or finds it) and says where it is, what it holds
 and how long that took. stats: token length distribution, and the padding and predicted
@@ -36,9 +36,9 @@ def _data_arguments(parser: argparse.ArgumentParser, *, max_length: int, on_erro
 
 
 def build_parser() -> argparse.ArgumentParser:
-  from jaxsft.help_format import HelpFormatter
+  from jaxsft.cli import HelpFormatter
 
-  parser = argparse.ArgumentParser(prog="python -m jaxsft.data", description=__doc__.split("\n")[0],
+  parser = argparse.ArgumentParser(prog="jaxsft data", description=__doc__.split("\n")[0],
                                    formatter_class=HelpFormatter)
   sub = parser.add_subparsers(dest="command", required=True)
   build = sub.add_parser("build", formatter_class=HelpFormatter, help="tokenize a data file into its token store (or find it)")
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="batch widths are rounded up to a multiple of this (default: %(default)s)")
   priced.add_argument("--epochs", type=float, default=1.0, help="epochs the predicted seconds cover (default: %(default)s)")
   priced.add_argument("--cost-from", default=None, metavar="RUN_DIR",
-                      help="price steps and compiles with the cost a jaxsft run measured (its summary.json); "
+                      help="price steps and compiles with the cost the run in RUN_DIR measured (its summary.json); "
                            "default: the built-in default cost")
   return parser
 
@@ -121,9 +121,9 @@ def _cost(run_dir: str | None):
 
   if run_dir is None:
     return DEFAULT_COST
-  import pathlib
+  from jaxsft.run_files import RunFiles
 
-  path = pathlib.Path(run_dir) / "summary.json"
+  path = RunFiles(run_dir, writer=False).summary
   try:
     fields = json.loads(path.read_text())["collation"]["cost"]
   except (OSError, ValueError, KeyError, TypeError) as e:

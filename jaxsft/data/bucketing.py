@@ -112,6 +112,14 @@ class _EpochBucketQueues:
             and all(packer.empty() for packer in self.packers.values()))
 
 
+def _row_sources(items: list, packed: bool) -> list | None:
+  """The sources of each row's examples (a mix's examples name theirs), None without a mix."""
+  rows = [row.items for row in items] if packed else [[example] for example in items]
+  if not rows or "source" not in rows[0][0]:
+    return None
+  return [[example["source"] for example in row] for row in rows]
+
+
 class BucketBatchDatasetIterator(grain.DatasetIterator):
   """Iterator of `BucketBatchIterDataset`; see the module docstring for its state."""
 
@@ -159,7 +167,7 @@ class BucketBatchDatasetIterator(grain.DatasetIterator):
     batch = self._plan.collate(q, items)
     if self._stats_out is not None:
       real_rows = int((batch["attention_mask"].any(axis=1)).sum()) if self._plan.packed else len(items)
-      self._stats_out.count_batch(batch, real_rows)
+      self._stats_out.count_batch(batch, real_rows, _row_sources(items, self._plan.packed))
     batch["epoch"] = np.asarray(epoch, dtype=np.int32)
     if not self._ready and self._queues.empty() and not self._exhausted:
       self._restart(copy.deepcopy(self._parent.get_state()), self._seen)  # nothing buffered: a cheap anchor

@@ -61,21 +61,24 @@ class _PackedRowsToBatch:
              "segment_ids": segment_ids, "positions": positions,
              "epoch": np.asarray(max(max(row["epoch"]) for row in rows), dtype=np.int32)}
     if self.stats is not None:
-      self.stats.count_batch(batch, len(rows))
+      self.stats.count_batch(batch, len(rows), [row["source"] for row in rows] if "source" in rows[0] else None)
     return self.plan.shard_rows(batch)
 
 
 def packed_batches(examples: grain.IterDataset, plan: BatchPlan, *, seed: int, stats: PipelineStats | None,
-                   rows_to_batch: Callable[[Sequence[dict]], object] | None = None) -> grain.IterDataset:
+                   rows_to_batch: Callable[[Sequence[dict]], object] | None = None,
+                   sources: bool = False) -> grain.IterDataset:
   """Drops the emptied examples, packs the rest into rows of `plan.max_length` and groups
   `plan.batch_sizes[0]` rows per batch (the last batch gets fill rows).
 
   `rows_to_batch` replaces the collation (e.g. `len`, to count batches without building them).
+  `sources`: the examples name their `source` (a mix), which each row keeps per segment.
   """
   kept = examples.filter(_KeepTokenized(stats, plan.max_length))
   rows = grain.experimental.FirstFitPackIterDataset(
       kept, length_struct={"input_ids": plan.max_length, "labels": plan.max_length},
-      num_packing_bins=plan.batch_sizes[0], seed=seed, shuffle_bins=False, meta_features=("epoch",),
+      num_packing_bins=plan.batch_sizes[0], seed=seed, shuffle_bins=False,
+      meta_features=("epoch", "source") if sources else ("epoch",),
       padding_struct={"input_ids": plan.pad_token_id, "labels": IGNORE_INDEX})
   return rows.batch(plan.batch_sizes[0], drop_remainder=False,
                     batch_fn=rows_to_batch if rows_to_batch is not None else _PackedRowsToBatch(plan, stats))

@@ -4,7 +4,9 @@
       -> to_iter_dataset -> [mp_prefetch(worker_count)] -> BucketBatchIterDataset | FirstFit packing
 
 `MapDataset.repeat` reseeds the shuffle every epoch, so epoch e is a permutation drawn from
-(seed, e). Every element carries its epoch; examples dropped by truncation (no trained token
+(seed, e). With a `mix` (`mix.Mix`, `data.mix`), `MapDataset.range(N) -> shuffle` is
+`Mix.indices`: the sources' records, each source shuffled on its own, interleaved by weight with
+`MapDataset.mix`; an epoch is the mix's, and each element carries its `source`. Every element carries its epoch; examples dropped by truncation (no trained token
 left) travel on as markers, so the batcher can count them and tell when an epoch is complete.
 Bucket, dynamic and static batching are `bucketing.BucketBatchIterDataset` (no batch mixes
 epochs, leftovers are padded, never dropped); packed mode is `packing.packed_batches`.
@@ -49,6 +51,7 @@ from jaxsft.data.choose import choose_packing_widths, packed_batches_per_shape
 from jaxsft.data.collate import bucket_index, choose_buckets
 from jaxsft.data.cost import DEFAULT_COST
 from jaxsft.data.examples import TokenizedRecords
+from jaxsft.data.mix import Mix
 from jaxsft.data.packing import packed_batches
 from jaxsft.data.pipeline_stats import PipelineStats
 from jaxsft.data.tokenize import encode_with_length, record_error, tokenize_records
@@ -62,13 +65,16 @@ class _TokenizeStep:
   """map_with_index(index, record_index) -> example dict with epoch bookkeeping.
 
   Looks the example up in `tokenized` when given, else tokenizes the record (in the worker
-  processes when `worker_count > 0`).
+  processes when `worker_count > 0`). With a `mix`, the record index is a global one, an epoch is
+  the mix's, and each element names its `source`.
   """
 
-  def __init__(self, records, tokenizer, *, max_length: int, train_on: str, tokenized: TokenizedRecords | None):
+  def __init__(self, records, tokenizer, *, max_length: int, train_on: str, tokenized: TokenizedRecords | None,
+               mix: Mix | None = None):
     self.records, self.tokenizer, self.max_length, self.train_on = records, tokenizer, max_length, train_on
-    self.tokenized = tokenized
+    self.tokenized, self.mix = tokenized, mix
     self.num_records = len(tokenized) if tokenized is not None else len(records)
+    self.epoch_size = mix.epoch_size if mix is not None else self.num_records
 
   def __call__(self, index: int, record_index: int) -> dict:
     record_index = int(record_index)
@@ -82,7 +88,9 @@ class _TokenizeStep:
       except ValueError as e:  # a DataError naming the record's file and line where it knows them
         raise record_error(e, record, record_index) from None
     out = dict(example) if example is not None else {}
-    out.update(epoch=index // self.num_records, full_length=full_length)
+    out.update(epoch=index // self.epoch_size, full_length=full_length)
+    if self.mix is not None:
+      out["source"] = self.mix.source_of(record_index)
     return out
 
 
@@ -100,9 +108,12 @@ def _example_stream(step: _TokenizeStep, *, seed: int, shuffle: bool, num_epochs
                     unchunk: bool) -> grain.IterDataset:
   """The shuffled, repeated, tokenized elements; chunked across processes when `worker_count > 0`
   (unchunked again when `unchunk`)."""
-  ds = grain.MapDataset.range(step.num_records)
-  if shuffle:
-    ds = ds.shuffle(seed=seed)
+  if step.mix is not None:  # the sources' global record indices, interleaved by weight
+    ds = step.mix.indices(seed, shuffle)
+  else:
+    ds = grain.MapDataset.range(step.num_records)
+    if shuffle:
+      ds = ds.shuffle(seed=seed)
   ds = ds.repeat(num_epochs).map_with_index(step)
   # A pre-tokenized example is a list lookup: reader threads would only add overhead.
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0 if step.tokenized is not None else 2,
@@ -220,7 +231,8 @@ def make_batches(records: Sequence[dict], tokenizer, *, max_length: int, batchin
                  tokens_per_batch: int | None = None, pad_to_multiple_of: int = 8, batch_multiple_of: int = 1,
                  seed: int = 0, shuffle: bool = True, num_epochs: int | None = 1,
                  train_on: str = "all_assistant", worker_count: int = 0, shard_by_process: bool = False,
-                 stats: PipelineStats | None = None, tokenized: TokenizedRecords | None = None) -> grain.IterDataset:
+                 stats: PipelineStats | None = None, tokenized: TokenizedRecords | None = None,
+                 mix: Mix | None = None) -> grain.IterDataset:
   """A Grain `IterDataset` of training batches from chat records (see the module docstring).
 
   Each batch is a dict of int32 numpy arrays `input_ids`, `attention_mask`, `labels` of shape
@@ -249,9 +261,14 @@ def make_batches(records: Sequence[dict], tokenizer, *, max_length: int, batchin
     stats: a `PipelineStats` updated in place; also reachable as the returned dataset's `.stats`.
     tokenized: `tokenize_records(tokenizer, records, max_length=..., train_on=...)`, so nothing is
       encoded again; a different record count, max_length or train_on is a ValueError.
+    mix: several sources laid end to end in `records` (`mix.Mix`): each epoch draws them by weight
+      (`Mix.indices`) instead of shuffling the records as one; every example carries its `source`
+      and `stats` counts each source's examples and trained tokens.
   """
   if not len(records):
     raise ValueError("make_batches needs at least one record")
+  if mix is not None and mix.num_records != len(records):
+    raise ValueError(f"the mix's sources hold {mix.num_records} records but {len(records)} records were passed")
   options = _BatchingOptions(max_length, batching, bucket_lengths, num_buckets, batch_size, tokens_per_batch,
                              pad_to_multiple_of, batch_multiple_of, shard_by_process)
   if tokenized is not None:
@@ -259,13 +276,13 @@ def make_batches(records: Sequence[dict], tokenizer, *, max_length: int, batchin
   elif options.chooses_buckets:  # the bucket choice needs every length: tokenize once, batch from that too
     tokenized = tokenize_records(tokenizer, records, max_length=max_length, train_on=train_on)
   stats = stats if stats is not None else PipelineStats()
-  plan = options.plan(lengths=tokenized.lengths if options.chooses_buckets else None, epoch_size=len(records),
+  step = _TokenizeStep(records, tokenizer, max_length=max_length, train_on=train_on, tokenized=tokenized, mix=mix)
+  plan = options.plan(lengths=tokenized.lengths if options.chooses_buckets else None, epoch_size=step.epoch_size,
                       pad_token_id=_pad_token_id(tokenizer))
-  step = _TokenizeStep(records, tokenizer, max_length=max_length, train_on=train_on, tokenized=tokenized)
   stream = _example_stream(step, seed=seed, shuffle=shuffle, num_epochs=num_epochs, worker_count=worker_count,
                            unchunk=batching == "packed")  # the bucket batcher reads chunks itself
   if batching == "packed":
-    out = packed_batches(stream, plan, seed=seed, stats=stats)
+    out = packed_batches(stream, plan, seed=seed, stats=stats, sources=mix is not None)
   else:
     out = BucketBatchIterDataset(stream, plan, stats)
   out.stats, out.plan = stats, plan
@@ -312,12 +329,15 @@ def batch_shapes(records: Sequence[dict] | None = None, tokenizer=None, *, lengt
   return sorted(zip(plan.batch_sizes, plan.bucket_lengths))
 
 
-def epoch_lengths(tokenized: TokenizedRecords, *, seed: int = 0, shuffle: bool = True) -> np.ndarray:
+def epoch_lengths(tokenized: TokenizedRecords, *, seed: int = 0, shuffle: bool = True,
+                  mix: Mix | None = None) -> np.ndarray:
   """The kept examples' token counts in the order the first epoch of `make_batches` reads them
-  (`seed`, `shuffle` as there): what packing sees, unlike record order (a store's come
+  (`seed`, `shuffle`, `mix` as there): what packing sees, unlike record order (a store's come
   from its length arrays: nothing is read)."""
   n = len(tokenized)
-  if shuffle:  # epoch 0 of make_batches' shuffle; indexed, which is ~25x faster than iterating it
+  if mix is not None:  # the mix's first epoch: its positions, some sources only partly read
+    order = mix.epoch_order(seed, shuffle)
+  elif shuffle:  # epoch 0 of make_batches' shuffle; indexed, which is ~25x faster than iterating it
     epoch = grain.MapDataset.range(n).shuffle(seed=seed)
     order = np.fromiter((epoch[i] for i in range(n)), dtype=np.int64, count=n)
   else:
@@ -330,28 +350,32 @@ def count_batches(tokenized: TokenizedRecords, *, max_length: int, batching: str
                   bucket_lengths: Sequence[int] | None = None, num_buckets: int = 8, batch_size: int = 8,
                   tokens_per_batch: int | None = None, pad_to_multiple_of: int = 8, batch_multiple_of: int = 1,
                   seed: int = 0, shuffle: bool = True, train_on: str = "all_assistant",
-                  shard_by_process: bool = False, **_ignored) -> int:
+                  shard_by_process: bool = False, mix: Mix | None = None, **_ignored) -> int:
   """The number of global batches one epoch of `make_batches` with the same arguments yields.
 
   Accepts (and ignores) make_batches' other arguments, like `batch_shapes`. Bucketed, static and
   dynamic are counted from the lengths: every epoch flushes its leftovers per bucket, so one epoch
   is the sum over buckets of ceil(n_k / B_k) (dropped examples excluded). Packed mode runs grain's
   packer over the pre-tokenized examples (in the epoch's order, which `seed`/`shuffle` decide);
-  over a token store, over stand-ins of the stored lengths (no example is read).
+  over a token store, over stand-ins of the stored lengths (no example is read). With a `mix`, the
+  mix's first epoch (`mix.Mix`): later epochs read other records of the sources that were not
+  exhausted, so their count may differ by a few batches (as a packed epoch's may).
   """
   options = _BatchingOptions(max_length, batching, bucket_lengths, num_buckets, batch_size, tokens_per_batch,
                              pad_to_multiple_of, batch_multiple_of, shard_by_process)
   tokenized.check_matches(num_records=None, max_length=max_length, train_on=train_on)
   lengths = tokenized.lengths
-  plan = options.plan(lengths=lengths, epoch_size=len(tokenized), pad_token_id=0)
+  plan = options.plan(lengths=lengths, epoch_size=mix.epoch_size if mix else len(tokenized), pad_token_id=0)
   if batching == "packed":
     tokenized = tokenized.length_view()  # a store's: length stand-ins, no example is read
-    step = _TokenizeStep(None, None, max_length=max_length, train_on=train_on, tokenized=tokenized)
+    step = _TokenizeStep(None, None, max_length=max_length, train_on=train_on, tokenized=tokenized, mix=mix)
     stream = _example_stream(step, seed=seed, shuffle=shuffle, num_epochs=1, worker_count=0, unchunk=False)
     return sum(1 for _ in packed_batches(stream, plan, seed=seed, stats=None, rows_to_batch=len))
   if batching == "bucketed_packed":  # in the epoch's order, as the batcher packs
-    return sum(packed_batches_per_shape(epoch_lengths(tokenized, seed=seed, shuffle=shuffle), plan.bucket_lengths,
+    return sum(packed_batches_per_shape(epoch_lengths(tokenized, seed=seed, shuffle=shuffle, mix=mix), plan.bucket_lengths,
                                         dict(zip(plan.bucket_lengths, plan.batch_sizes)).__getitem__).values())
+  if mix is not None:  # the examples of the mix's first epoch
+    lengths = epoch_lengths(tokenized, seed=seed, shuffle=shuffle, mix=mix)
   if plan.bucket_lengths is None:  # dynamic: one queue
     return -(-len(lengths) // plan.batch_sizes[0])
   per_bucket = np.bincount(bucket_index(lengths, plan.bucket_lengths), minlength=len(plan.bucket_lengths))

@@ -1,8 +1,6 @@
-"""`python -m jaxsft.doctor RUN_DIR`."""
+"""`python -m jaxsft.doctor RUN_DIR`, as `jaxsft doctor RUN_DIR`."""
 
-import sys
-
-from jaxsft.doctor import main
+from jaxsft.cli import console
 
 if __name__ == "__main__":
-  sys.exit(main())
+  console("doctor")

@@ -1,4 +1,4 @@
-"""`python -m jaxsft.doctor RUN_DIR`: the diagnosis of a run directory's metrics.jsonl."""
+"""`jaxsft doctor RUN_DIR`: the diagnosis of a run directory's metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -22,13 +22,13 @@ def diagnose_run(run_dir: str | pathlib.Path) -> Diagnosis:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  from jaxsft.help_format import HelpFormatter
+  from jaxsft.cli import HelpFormatter, add_run_dir
 
   parser = argparse.ArgumentParser(
-      prog="python -m jaxsft.doctor", formatter_class=HelpFormatter,
+      prog="jaxsft doctor", formatter_class=HelpFormatter,
       description="Classify a run's loss curve (RUN_DIR/metrics.jsonl) and print the likely "
                   "cause and the fix.")
-  parser.add_argument("run_dir", help="a training output folder holding metrics.jsonl (or the file)")
+  add_run_dir(parser, help="a run folder written by jaxsft train (its metrics.jsonl is read), or a metrics.jsonl")
   parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
   return parser
 

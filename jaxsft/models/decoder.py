@@ -40,6 +40,7 @@ from jaxsft.matmul import matmul, matmul_t
 from jaxsft.models.attention import (ATTENTION, ATTENTION_RESIDUALS, KVCache, attention_mask_4d,
                                      cache_attention_mask, self_attention)
 from jaxsft.models.families import LlamaConfig
+from jaxsft.models import stack16
 from jaxsft.models.rope import apply_rope, rope_inv_freq, rope_tables
 from jaxsft.quant.kernel import kernel_value, table_rows, table_value
 
@@ -459,6 +460,10 @@ class CausalLM(nnx.Module):
       h = embeddings_hook(h)
 
     graphdef, layer_state = nnx.split(self.layers)
+    if jax.default_backend() == "cpu":  # 16-bit weights sliced as float32 bits (`stack16`)
+      layer_state, layer_dtypes = stack16.pack_tree(layer_state)
+    else:
+      layer_dtypes = None
     keys = None if dropout_rng is None else jax.random.split(dropout_rng, self.config.num_layers)
     if self.rope_index is None:
       (cos, sin), = tables
@@ -471,6 +476,8 @@ class CausalLM(nnx.Module):
     # `keys`, `cache` and the indices may be None (empty pytrees): the scan then carries nothing for them.
     def layer_step(h, xs):
       state, key, layer_cache, r, w = xs
+      if layer_dtypes is not None:
+        state = stack16.unpack_tree(state, layer_dtypes)
       layer_cos, layer_sin = (cos, sin) if r is None else (cos_all[r], sin_all[r])
       mask = mask_all if w is None else mask_all[w]
       return nnx.merge(graphdef, state)(h, layer_cos, layer_sin, mask, key, layer_cache, cache_start)

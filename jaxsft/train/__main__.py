@@ -1,8 +1,5 @@
-"""`python -m jaxsft.train`: the training command line (`jaxsft.train.recipe.main`)."""
+"""`python -m jaxsft.train`: the training command line, as `jaxsft train` (`jaxsft.train.recipe.main`)."""
 
-from __future__ import annotations
+from jaxsft.cli import console
 
-from jaxsft.train import main
-from jaxsft.train.recipe import exit_after_run
-
-exit_after_run(main())
+console("train")

@@ -158,7 +158,7 @@ class Checkpoints:
   def _set_aside(self, steps: list[int]) -> None:
     """Moves damaged checkpoints out of the manager's folder (kept for inspection)."""
     if steps and self.files.writer:
-      aside = self.files.dir / "damaged_checkpoints"
+      aside = self.files.damaged_checkpoints
       aside.mkdir(exist_ok=True)
       for step in steps:
         target = aside / str(step)

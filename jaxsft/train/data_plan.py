@@ -1,11 +1,12 @@
-"""A run's data before step 1: `load_data` reads the records (through their token store) and
-holds out the validation split, `plan_data` tokenizes both splits once and resolves the batching
+"""A run's data before step 1: `load_data` reads the records (through their token store; of every
+source of a `data.mix`) and holds out the validation split, `plan_data` tokenizes both splits once and resolves the batching
 into a `DataPlan`: bucket shapes, batches per epoch and the Grain pipelines."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any
 
 import jax
@@ -15,6 +16,7 @@ from jaxsft import collation as collation_lib
 from jaxsft import config as config_lib
 from jaxsft import data as data_lib
 from jaxsft import models
+from jaxsft.data import mix as mix_lib
 
 log = logging.getLogger("jaxsft.train")
 
@@ -26,7 +28,9 @@ def load_data(cfg: config_lib.TrainConfig) -> tuple[list[dict], list[dict]]:
   read it. The training records are then a lazy view of the store and both splits carry their
   tokenization (`.tokenized`), which `plan_data` uses instead of encoding again.
   """
-  d = cfg.data
+  d = cfg.data  # `config.validate` has refused data.path with data.mix, and an empty mix
+  if d.mix is not None:
+    return load_mix(cfg)
   if d.path is None:
     from jaxsft.data import synthetic
 
@@ -36,13 +40,51 @@ def load_data(cfg: config_lib.TrainConfig) -> tuple[list[dict], list[dict]]:
   if d.val_path is not None:
     val = load_file(d.val_path, cfg)
     return records, _held_out(val, np.arange(min(len(val), d.max_val_examples)))
+  return split_held_out(records, d, max_val=d.max_val_examples, name=d.path)
+
+
+def split_held_out(records, d: config_lib.DataConfig, *, max_val: int, name: str):
+  """(training, held-out) records: `val_fraction` of them (at least one, at most `max_val`) drawn
+  with `d.seed`, the rest for training."""
   order = np.random.default_rng(d.seed).permutation(len(records))
-  n_val = min(max(1, int(round(len(records) * d.val_fraction))), d.max_val_examples) if d.val_fraction > 0 else 0
+  n_val = min(max(1, int(round(len(records) * d.val_fraction))), max_val) if d.val_fraction > 0 else 0
   if n_val >= len(records):
-    raise data_lib.DataError(f"{d.path}: {len(records)} records leave none for training after a {d.val_fraction} validation split")
+    raise data_lib.DataError(f"{name}: {len(records)} records leave none for training after a {d.val_fraction} validation split")
   if isinstance(records, data_lib.store.StoredRecords):  # views, nothing decoded
     return records.take(order[n_val:]), _held_out(records, order[:n_val])
   return [records[i] for i in order[n_val:]], [records[i] for i in order[:n_val]]
+
+
+def load_mix(cfg: config_lib.TrainConfig) -> tuple[mix_lib.MixedRecords, list[dict]]:
+  """The training records of every `data.mix` source end to end (`mix.MixedRecords`) and the
+  held-out records: `data.val_path`'s, else each source's own split (the rule of one source, at
+  most ceil(max_val_examples / sources) each), together."""
+  d = cfg.data
+  for source in d.mix:  # every file is checked before the first is read (or tokenized)
+    if not os.path.exists(os.path.expanduser(source.path)):
+      raise data_lib.DataError(f"data.mix: {source.path}: no such file or folder")
+  max_val = -(-d.max_val_examples // len(d.mix))
+  train, held_out = [], []
+  for source in d.mix:
+    records = load_file(source.path, cfg, fmt=source.format, field_map=source.field_map)
+    if d.val_path is not None:
+      train.append(records)
+      continue
+    part, val = split_held_out(records, d, max_val=max_val, name=f"data.mix: {source.path}")
+    train.append(part)
+    held_out.append(val)
+  if d.val_path is not None:
+    val = load_file(d.val_path, cfg)
+    return mix_lib.mixed_records(train), _held_out(val, np.arange(min(len(val), d.max_val_examples)))
+  return mix_lib.mixed_records(train), _joined(held_out)
+
+
+def _joined(parts: list) -> list[dict]:
+  """Held-out record lists as one (with their stored tokenizations joined, where all have one)."""
+  records = [r for part in parts for r in part]
+  if parts and all(isinstance(p, data_lib.store.RecordList) for p in parts):
+    return data_lib.store.RecordList(records, mix_lib.concat_tokenized([p.tokenized for p in parts]))
+  return records
 
 
 def _held_out(records, indices):
@@ -54,20 +96,22 @@ def _held_out(records, indices):
   return data_lib.store.RecordList(view, view.tokenized)
 
 
-def load_file(path: str, cfg: config_lib.TrainConfig):
+def load_file(path: str, cfg: config_lib.TrainConfig, *, fmt: str | None = None, field_map: dict | None = None):
   """The records of a data file: a token store's lazy view (`data.cache`), else loaded and checked
-  against the chat template, a record it cannot label skipped or named (`data.on_error`)."""
+  against the chat template, a record it cannot label skipped or named (`data.on_error`). `fmt` and
+  `field_map` (a `data.mix` source's) replace `data.format` and `data.field_map`."""
   d = cfg.data
+  fmt, field_map = (d.format, d.field_map) if fmt is None else (fmt, field_map)
   tokenizer = models.load_tokenizer(cfg.model.name)
   if d.cache:
-    result = data_lib.open_or_build(path, tokenizer, max_length=d.max_length, train_on=d.train_on, fmt=d.format,
-                                    field_map=d.field_map, on_error=d.on_error, cache_dir=d.cache_dir)
+    result = data_lib.open_or_build(path, tokenizer, max_length=d.max_length, train_on=d.train_on, fmt=fmt,
+                                    field_map=field_map, on_error=d.on_error, cache_dir=d.cache_dir)
     log.info("token store %s: %s %.1fs: %s", result.store.folder, "built in" if result.built else "found in",
              result.seconds, result.store.summary())
     return result.store.records()
   report = data_lib.SkipReport()
   # Rendered as they load: a record the chat template cannot label is skipped (or named) here.
-  records = data_lib.load_records(path, fmt=d.format, field_map=d.field_map, on_error=d.on_error, report=report,
+  records = data_lib.load_records(path, fmt=fmt, field_map=field_map, on_error=d.on_error, report=report,
                                   check=data_lib.SpanRenderer(tokenizer, train_on=d.train_on))
   if report.skipped:
     log.warning("%s", report.summary())
@@ -91,11 +135,12 @@ class DataPlan:
   """The training lengths plans are priced over (`collation.priced_lengths` of the configured batching:
   the epoch's order wherever it matters, which is also right for whatever `auto` chooses)."""
   collation: collation_lib.Choice | None = None
+  mix: mix_lib.Mix | None = None  # the sources of `data.mix`, end to end in the training records
 
   def train_batches(self, tokenizer, *, seed: int, num_epochs: int | None, worker_count: int):
     return data_lib.make_batches(self.train_records, tokenizer, seed=seed, shuffle=True, num_epochs=num_epochs,
                                  worker_count=worker_count, shard_by_process=self.shard_by_process,
-                                 stats=self.stats, tokenized=self.train_tokens, **self.batching)
+                                 stats=self.stats, tokenized=self.train_tokens, mix=self.mix, **self.batching)
 
   def val_batches(self, tokenizer):
     return data_lib.make_batches(self.val_records, tokenizer, seed=0, shuffle=False, num_epochs=1,
@@ -119,13 +164,18 @@ def plan_data(cfg: config_lib.TrainConfig, train_records: list[dict], val_record
                   num_buckets=d.num_buckets, batch_size=d.batch_size, tokens_per_batch=d.tokens_per_batch,
                   pad_to_multiple_of=d.pad_to_multiple_of, batch_multiple_of=batch_multiple_of, train_on=d.train_on)
   choice = None
-  train_lengths = collation_lib.priced_lengths(d.batching, train_tokens, seed=d.seed)
+  mix = None
+  if isinstance(train_records, mix_lib.MixedRecords):
+    mix = mix_lib.Mix(train_records.sizes, tuple(source.weight for source in d.mix))
+    train_lengths = data_lib.epoch_lengths(train_tokens, seed=d.seed, mix=mix)  # what one epoch of the mix reads
+  else:
+    train_lengths = collation_lib.priced_lengths(d.batching, train_tokens, seed=d.seed)
   if d.batching in collation_lib.CHOOSES_FROM_LENGTHS and not d.bucket_lengths:
     # One set of boundaries for train and validation (the eval step reuses the train shapes); the
     # largest is the longest example, so no bucket is compiled that no batch would use.
     lengths = np.concatenate([train_lengths, val_tokens.lengths])
     batching["max_length"] = min(d.max_length, data_lib.round_up(int(lengths.max()), d.pad_to_multiple_of))
-    choice = collation_lib.choose(cfg, lengths, num_train=len(train_tokens.lengths), max_length=batching["max_length"],
+    choice = collation_lib.choose(cfg, lengths, num_train=len(train_lengths), max_length=batching["max_length"],
                                   batch_size_for=collation_lib.batch_size_rule(d, batch_multiple_of),
                                   cost=cost_for(batching["max_length"]) if cost_for else None)
     batching.update(choice.batching)
@@ -135,6 +185,6 @@ def plan_data(cfg: config_lib.TrainConfig, train_records: list[dict], val_record
   shapes = set(data_lib.batch_shapes(train_records, tokenizer, tokenized=train_tokens, shard_by_process=shard, **batching))
   if val_records:
     shapes |= set(data_lib.batch_shapes(val_records, tokenizer, tokenized=val_tokens, shard_by_process=shard, **batching))
-  batches_per_epoch = data_lib.count_batches(train_tokens, seed=d.seed, shuffle=True, **batching)
+  batches_per_epoch = data_lib.count_batches(train_tokens, seed=d.seed, shuffle=True, mix=mix, **batching)
   return DataPlan(train_records, val_records, train_tokens, val_tokens, batching, sorted(shapes), batches_per_epoch,
-                  data_lib.PipelineStats(), shard, train_lengths, choice)
+                  data_lib.PipelineStats(), shard, train_lengths, choice, mix)

@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING
 
 from jaxsft import flops as flops_lib
+from jaxsft import host_memory
 from jaxsft import matmul as matmul_lib
 from jaxsft import models
 from jaxsft import tracking
@@ -29,11 +30,11 @@ def finish(run: Run, result: RunResult, model) -> None:
 
   cfg, files = run.cfg, run.files
   try:
-    plot.plot_loss_curve(files.dir, files.dir / "loss_curve.png")
+    plot.plot_loss_curve(files.dir, files.loss_curve)
   except Exception as e:  # a plot must never cost the run
     log.warning("loss curve not plotted: %s", e)
   result.diagnosis = doctor.diagnose_run(files.dir)
-  files.write_text("doctor.txt", result.diagnosis.report() + "\n")
+  files.write_text(files.doctor_report, result.diagnosis.report() + "\n")
   if cfg.eval.generate and run.data.val_records:
     from jaxsft import compiles as compiles_lib
     from jaxsft import evaluate
@@ -44,13 +45,13 @@ def finish(run: Run, result: RunResult, model) -> None:
       base = models.load_causal_lm(cfg.model.name, dtype=str(model.dtype))
     result.evaluation = evaluate.compare_base_and_tuned(model, run.tokenizer, run.data.val_records, cfg, base=base,
                                                        show=not cfg.logging.quiet)
-    files.write_json("evaluation.json", result.evaluation)
+    files.write_json(files.evaluation, result.evaluation)
     run.compile_phases["generate"] = compiles_lib.ledger().tally() - before
   summary = {
       "steps": result.steps, "final_loss": result.final_loss, "first_val_loss": result.first_val_loss,
       "val_loss": result.val_loss, "warmup_compiles": result.compiles_warmup, "recompiles": result.recompiles,
       "stopped_early": result.stopped_early, "stopped": result.stopped, "diagnosis": result.diagnosis.pattern,
-      "data": run.data.stats.summary(), "seconds": round(time.time() - run.t_start, 1),
+      "data": run.data.stats.summary(), **data_sources(run), "seconds": round(time.time() - run.t_start, 1),
       "collation": collation_summary(run), **run.param_bytes,
   }
   if result.evaluation:
@@ -62,7 +63,8 @@ def finish(run: Run, result: RunResult, model) -> None:
   path = matmul_lib.cpu_matmul_path(model.dtype)  # which kernels ran the products (None off a CPU)
   if path:
     summary["matmul_path"] = path
-  files.write_json("summary.json", summary)
+    summary["host_malloc"] = host_memory.setting()  # whether step scratch memory is reused (host_memory)
+  files.write_json(files.summary, summary)
   for tag, text in tracking.run_report_markdown(result.diagnosis.report(), result.evaluation).items():
     run.trackers.text(tag, text, result.steps)
   run.trackers.log_adapter(files.tuned(cfg.mode == "full"), f"{files.dir.name}-{cfg.mode}")
@@ -86,15 +88,28 @@ def finish_stopped(run: Run, result: RunResult, saved: int | None) -> None:
       "steps": result.steps, "final_loss": result.final_loss, "first_val_loss": result.first_val_loss,
       "val_loss": result.val_loss, "warmup_compiles": result.compiles_warmup, "recompiles": result.recompiles,
       "stopped_early": False, "stopped": result.stopped, "signal": result.stop_signal, "checkpoint_step": saved,
-      "planned_steps": run.total_steps, "data": run.data.stats.summary(), "seconds": round(time.time() - run.t_start, 1),
+      "planned_steps": run.total_steps, "data": run.data.stats.summary(), **data_sources(run),
+      "seconds": round(time.time() - run.t_start, 1),
   }
   summary.update(flops_lib.mean_utilization(run_files.read_records(files.metrics)))
-  files.write_json("summary.json", summary)
+  files.write_json(files.summary, summary)
   if run.cfg.logging.json:
     print(json.dumps(summary, default=str), flush=True)
   elif not run.cfg.logging.quiet:
     print(f"\n== jaxsft run stopped by {result.stop_signal} at step {result.steps} of {run.total_steps}: {files.dir} ==\n"
           f"checkpoint: step {saved}   continue with the same command and --resume", flush=True)
+
+
+def data_sources(run: Run) -> dict:
+  """summary.json's `data_sources` with a `data.mix`: per source its path, weight (as given), share
+  (normalized), and the examples and trained tokens the run took from it (they sum to the pipeline's
+  totals: examples read, and labels != -100 of the batches made); nothing without a mix."""
+  sources, mix = run.cfg.data.mix, run.data.mix
+  if not sources or mix is None:
+    return {}
+  counts = run.data.stats.source_counts(len(sources))
+  return {"data_sources": [{"path": s.path, "weight": s.weight, "share": round(share, 6), **c}
+                           for s, share, c in zip(sources, mix.weights, counts)]}
 
 
 def collation_summary(run: Run) -> dict:
@@ -162,7 +177,7 @@ def summary_text(files: RunFiles, summary: dict, result: RunResult) -> str:
   full = files.holds_full_model()
   tuned = files.tuned(full)
   kind = "tuned model (HF format)" if full else "adapter (PEFT format)"
-  lines.append(f"{kind}: {tuned}   curve: {files.dir / 'loss_curve.png'}   wall time {summary['seconds']}s")
+  lines.append(f"{kind}: {tuned}   curve: {files.loss_curve}   wall time {summary['seconds']}s")
   lines.append(f"chat with it:  python -m jaxsft.chat {files.dir}\n"
                f"export it:     python -m jaxsft.export {files.dir} --out {files.dir}-hf  (--format gguf for llama.cpp)")
   return "\n".join(lines)

@@ -455,6 +455,6 @@ def start_or_resume(run: Run, fresh: RunState):
     state = fresh
     run.files.log(run.config_line)
     run.trackers.text("config", tracking.config_markdown(config_lib.to_dict(cfg)), 0)
-  run.files.write_json("config.json", config_lib.to_dict(cfg))
-  run.files.write_json("heldout.json", run.data.val_records)
+  run.files.write_json(run.files.config, config_lib.to_dict(cfg))
+  run.files.write_json(run.files.heldout, run.data.val_records)
   return state, restored_iterator[0] if state is not fresh else batches()
