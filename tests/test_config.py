@@ -71,6 +71,9 @@ def test_shipped_configs_parse():
   assert configs, "configs/ holds at least one real-data config"
   for path in [c.DEFAULT_CONFIG, *configs]:
     c.load_yaml(path)
+  # One default config: the packaged one, no second copy (or link) beside the real-data ones.
+  assert c.DEFAULT_CONFIG == root / "jaxsft" / "configs" / "default.yaml" and c.DEFAULT_CONFIG.is_file()
+  assert not any(path.name == c.DEFAULT_CONFIG.name for path in root.joinpath("configs").rglob("*"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,9 +165,6 @@ def test_checks_that_need_a_runtime_fact_raise_the_same_config_error(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps(families.to_hf_config(TINY)))
   with pytest.raises(c.ConfigError, match=r"model\.quantize=gguf keeps a GGUF file's own blocks"):
     loading.load_causal_lm(str(tmp_path), quantize="gguf")
-  # One default config: the packaged one, no second copy (or link) beside the real-data ones.
-  assert c.DEFAULT_CONFIG == root / "jaxsft" / "configs" / "default.yaml" and c.DEFAULT_CONFIG.is_file()
-  assert not any(path.name == c.DEFAULT_CONFIG.name for path in root.joinpath("configs").rglob("*"))
 
 
 def test_validate_holds_the_data_sources_rule():
