@@ -4,6 +4,8 @@ batch sizes, fill rows, T-dependent step cost and priced compiles)."""
 import itertools
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -227,3 +229,12 @@ def test_packing_widths_pad_at_most_two_points_more_than_packing():
   assert waste_and_seconds(cheapest)[1] <= seconds < packing_seconds
   assert choose_packing_widths(lengths, 4, max_extra_waste=waste_and_seconds(cheapest)[0] - packing_waste + 1e-9,
                                **common) == cheapest
+
+
+def test_the_cost_model_and_the_bucket_choice_import_without_jax():
+  """The pipeline chooses buckets with them, and `python -m jaxsft.data stats` prices plans: pure
+  numpy, nothing of the step or the collation's entry point comes with them."""
+  check = ("'jax' not in sys.modules and 'jaxsft.data' not in sys.modules and "
+           "'jaxsft.collation.planner' not in sys.modules")
+  subprocess.run([sys.executable, "-c", f"import sys, jaxsft.collation.cost, jaxsft.collation.buckets; "
+                  f"assert {check}, sorted(sys.modules)"], check=True)

@@ -1,6 +1,7 @@
 """The trainer's collation choice from its config: buckets, packing widths or (`batching: auto`) the
 whole mode, from the token lengths and the cost model (`cost.py`), and the plan's predicted seconds.
-No jax: the seconds come in as a `StepCost` (the probes' fit, `probe.py`, or the default).
+Nothing here compiles or times: the seconds come in as a `StepCost` (the probes' fit, `probe.py`,
+or the default).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ TIMED_SHAPES = 6
 """Warm-up times one call of at most this many compiled shapes (spread over the widths) to fit the cost."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Choice:
   """What was chosen (`name`, make_batches' `batching` arguments), under which `cost`, for how many
   `epochs`, and the priced candidates (cheapest first) when there was a choice of modes."""

@@ -1,4 +1,4 @@
-"""Instruction data: loading, chat-template masking, collation, bucket choice, Grain batches.
+"""Instruction data: loading, chat-template masking, padding, Grain batches.
 
 records.py (files -> chat records; json_array.py streams JSON arrays), template.py (chat templates:
 rendering, the trained reply spans), tokenize.py (records -> token ids and labels), examples.py
