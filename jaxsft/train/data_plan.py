@@ -76,9 +76,10 @@ def load_file(path: str, cfg: config_lib.TrainConfig):
   return records
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class DataPlan:
-  """Both splits, tokenized once (the pipelines reuse it every epoch and every validation)."""
+  """Both splits, tokenized once (the pipelines reuse it every epoch and every validation); fixed
+  once planned, but for `stats`, the pipeline's counters."""
 
   train_records: list[dict]
   val_records: list[dict]
