@@ -260,8 +260,8 @@ def choose_auto(tokenized, cost, *, max_length: int, batch_size: int, trained: i
   """What `batching: auto` picks for one epoch of these examples under `cost`, with the runners-up.
   As the trainer does, max_length becomes the longest example rounded up to 8 (the widest bucket)
   and the lengths are taken in the epoch's order (`seed`, as `count_mode`'s)."""
-  from jaxsft.data import epoch_lengths, round_up
   from jaxsft.collation.plans import choose_collation
+  from jaxsft.data import epoch_lengths, round_up
 
   max_length = min(max_length, round_up(int(tokenized.lengths.max()), 8))
   candidates = choose_collation(epoch_lengths(tokenized, seed=seed), cost=cost, max_length=max_length, batch_size_for=lambda t: batch_size,
