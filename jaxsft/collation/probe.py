@@ -48,10 +48,6 @@ class Probes:
   compile_seconds: dict
   extra: str
 
-  @property
-  def shapes(self) -> list[tuple[int, int]]:
-    return sorted(self.compile_seconds)
-
 
 def chosen_on_timings(d: config_lib.DataConfig) -> bool:
   """Whether the plan is chosen on the step's own timings (the probes): then they are fitted whatever
