@@ -11,16 +11,17 @@ once per collation mode:
   static            T = max_length
   dynamic x8        T = batch maximum rounded up to a multiple of 8
   bucketed pow2     T = the smallest of 32, 64, ..., max_length that fits
-  bucketed K=k      `choose_buckets`' k boundaries (exact DP over the subset's lengths), k = 2, 4, 8, 16
+  bucketed K=k      `collation.buckets.choose_buckets`' k boundaries (exact DP over the subset's lengths),
+                    k = 2, 4, 8, 16
   packed            first-fit packing into rows of max_length (segment ids, restarted positions)
   bucketed_packed   packed rows of at most 4 widths (`jaxsft.data.rows.WidthPacker`; the
                     pipeline's widths under the default cost)
-  auto              what `batching: auto` chooses (`jaxsft.data.choose.choose_collation`) under the
-                    cost model fitted to this study's per-shape timings
+  auto              what `batching: auto` chooses (`jaxsft.collation.plans.choose_collation`) under
+                    the cost model fitted to this study's per-shape timings
 
-and reports distinct batch shapes (= compiles), padded / real / trained tokens and waste, and
-beside each mode's composed end-to-end time the cost model's prediction (a + b·B·T + c·B·T² per
-step and p + q·T per compile, least-squares fitted to the per-shape timings: `predicted`).
+and reports distinct batch shapes (= compiles), padded / real / trained tokens and waste, each
+mode's composed end-to-end time, and beside it the trainer's prediction of the same (`predicted`:
+`jaxsft.collation.cost.plan_seconds`, which prices a packed batch as a padded one of its shape).
 
 Timing. The step is jaxsft's train step (`benchmarks.common.JaxsftStep`: the trainer's
 `make_step_functions` + `CompiledSteps`, LoRA r 8 on q/v, clip + AdamW). On a CPU, running every batch
@@ -37,9 +38,12 @@ step_seconds(B, T) is the step with no label trained and h the extra seconds per
 does), so a mode is charged for the labels the data trains, not for every position.
 
 compile_seconds and step_seconds are measured at B = batch size and T on a grid (32, 64, ...,
-max_length; a fresh AOT compile each, the median of `--reps` steps), and interpolated linearly in T
-between grid points (a step's cost depends only on its shape, not on the token values). Packed rows
-(segment ids) are measured separately at (B, max_length). A mode compiles what jaxsft's trainer
+max_length; a fresh AOT compile each, the median of `--reps` steps) and priced, at every shape, by
+the trainer's own cost model fitted to them (`jaxsft.collation.cost.fit_step_cost`: a + b·B·T +
+c·B·T² per step, h per trained token, p + q·T per compile, each times its measured correction
+r(T), so every grid width costs what it measured and r is linear between them; a step's cost
+depends only on its shape, not on the token values). Packed rows (segment ids) are measured
+separately at (B, max_length), and charged the measured packed / padded ratio there. A mode compiles what jaxsft's trainer
 compiles before step 1: every shape `batch_shapes` lists (for dynamic, every width the data's
 lengths round to, since any batch may end at one).
 `--validate DATASET:MODE ...` runs modes for real as the trainer would (fresh compiles, then every
@@ -179,50 +183,33 @@ def calibrate(model, cfg, *, batch_size: int, lengths, max_length: int, reps: in
           "per_trained_token_s": max(per_trained, 0.0)}
 
 
-def _interp(t: float, xs, ys) -> float:
-  """Piecewise-linear in T, extrapolated linearly past the ends (never below 0)."""
-  xs, ys = np.asarray(xs, float), np.asarray(ys, float)
-  if len(xs) == 1:
-    return float(ys[0] * t / xs[0])
-  if t < xs[0]:
-    i = 0
-  elif t > xs[-1]:
-    i = len(xs) - 2
-  else:
-    return float(np.interp(t, xs, ys))
-  slope = (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
-  return float(max(ys[i] + slope * (t - xs[i]), 0.0))
+def shape_cost(cost, calibration: dict, shape, *, packed: bool) -> tuple[float, float]:
+  """(compile seconds, step seconds with no label trained) of one (B, T) under `cost`, the trainer's
+  cost model fitted to the calibration (`fit_cost`: every timed width costs what it measured, its
+  correction linear between them; `compose` adds the trained tokens' share).
 
-
-def shape_cost(calibration: dict, shape, *, packed: bool, batch_size: int) -> tuple[float, float]:
-  """(compile seconds, step seconds with no label trained) of one (B, T), from the calibration
-  (rows scale linearly; `compose` adds the trained tokens' share).
-
-  Packed rows are calibrated at one width W (max_length); a packed row of another width T (auto
-  packs into the longest example rounded up, not max_length) costs the padded row of width T
-  times the packed / padded ratio measured at W: the two run the same ops on the same shape, the
-  packed one masking by segment."""
+  Packed rows are calibrated at one width W (max_length) and cost what was measured there; a packed
+  row of another width T (auto packs into the longest example rounded up, not max_length) costs the
+  padded row of width T times the packed / padded ratio at W: the two run the same ops on the same
+  shape, the packed one masking by segment."""
+  b, t = shape
   if packed:
     (point,) = [p for p in calibration["points"] if p["packed"]]
-    if shape[1] != point["shape"][1]:
-      compile_s, step_s = shape_cost(calibration, shape, packed=False, batch_size=batch_size)
-      padded_compile_s, padded_step_s = shape_cost(calibration, point["shape"], packed=False, batch_size=batch_size)
-      return compile_s * point["compile_s"] / padded_compile_s, step_s * point["untrained_step_s"] / padded_step_s
-  pts = [p for p in calibration["points"] if p["packed"] == packed]
-  xs = [p["shape"][1] for p in pts]
-  compile_s = _interp(shape[1], xs, [p["compile_s"] for p in pts])
-  step_s = _interp(shape[1], xs, [p["untrained_step_s"] for p in pts]) * shape[0] / batch_size
-  return compile_s, step_s
+    if list(shape) == point["shape"]:
+      return point["compile_s"], point["untrained_step_s"]
+    compile_s, step_s = shape_cost(cost, calibration, shape, packed=False)
+    padded_compile_s, padded_step_s = shape_cost(cost, calibration, point["shape"], packed=False)
+    return compile_s * point["compile_s"] / padded_compile_s, step_s * point["untrained_step_s"] / padded_step_s
+  return float(cost.compile_seconds(b, t)), float(cost.step_seconds(b, t))
 
 
-def compose(summary: dict, shapes, calibration: dict, *, packed: bool, batch_size: int) -> dict:
+def compose(summary: dict, shapes, calibration: dict, cost, *, packed: bool) -> dict:
   """A mode's costs from its shapes and batches (see the module docstring): each batch's step with
-  no label trained, plus the calibration's seconds per trained token times the epoch's trained
-  tokens (the same in every mode)."""
-  compile_s = sum(shape_cost(calibration, s, packed=packed, batch_size=batch_size)[0]
-                  for s in summary["compiled_shapes"])
-  step_s = sum(shape_cost(calibration, s, packed=packed, batch_size=batch_size)[1] for s in shapes)
-  step_s += calibration["per_trained_token_s"] * summary["trained"]
+  no label trained, plus the cost's seconds per trained token times the epoch's trained tokens
+  (the same in every mode)."""
+  compile_s = sum(shape_cost(cost, calibration, s, packed=packed)[0] for s in summary["compiled_shapes"])
+  step_s = sum(shape_cost(cost, calibration, s, packed=packed)[1] for s in shapes)
+  step_s += cost.per_trained_token * summary["trained"]
   return {
       "compiles": calibration["fixed_compiles"] + len(summary["compiled_shapes"]),
       "compile_s": calibration["fixed_compile_s"] + compile_s,
@@ -258,10 +245,10 @@ def measure(model, cfg, records, tokenizer, mode: str, *, max_length: int, batch
 
 
 def fit_cost(calibration: dict):
-  """The cost model (`jaxsft.data.cost.StepCost`) least-squares fitted to the padded calibration
+  """The trainer's cost model (`jaxsft.collation.cost.StepCost`) fitted to the padded calibration
   points as the trainer fits it: step seconds a + b·B·T + c·B·T² with no label trained, h per
-  trained token, compile seconds p + q·T."""
-  from jaxsft.data.cost import fit_step_cost
+  trained token, compile seconds p + q·T, each times its measured correction r(T)."""
+  from jaxsft.collation.cost import fit_step_cost
 
   points = [p for p in calibration["points"] if not p["packed"]]
   return fit_step_cost([(*p["shape"], p["untrained_step_s"]) for p in points],
@@ -273,8 +260,8 @@ def choose_auto(tokenized, cost, *, max_length: int, batch_size: int, trained: i
   """What `batching: auto` picks for one epoch of these examples under `cost`, with the runners-up.
   As the trainer does, max_length becomes the longest example rounded up to 8 (the widest bucket)
   and the lengths are taken in the epoch's order (`seed`, as `count_mode`'s)."""
+  from jaxsft.collation.plans import choose_collation
   from jaxsft.data import epoch_lengths, round_up
-  from jaxsft.data.choose import choose_collation
 
   max_length = min(max_length, round_up(int(tokenized.lengths.max()), 8))
   candidates = choose_collation(epoch_lengths(tokenized, seed=seed), cost=cost, max_length=max_length, batch_size_for=lambda t: batch_size,
@@ -287,7 +274,7 @@ def choose_auto(tokenized, cost, *, max_length: int, batch_size: int, trained: i
 def predict(summary: dict, shapes, cost, calibration: dict) -> dict:
   """The cost model's end to end of a mode: its batches' steps and its compiled shapes priced by
   `cost`, plus the same pipeline and one-off compile seconds as the composed figure."""
-  from jaxsft.data.cost import plan_seconds
+  from jaxsft.collation.cost import plan_seconds
 
   seconds = plan_seconds(cost, collections.Counter(map(tuple, shapes)), [tuple(s) for s in summary["compiled_shapes"]],
                          trained_tokens=summary["trained"])
@@ -358,8 +345,8 @@ def run_study(*, datasets, model_name: str, examples: int, max_length: int, batc
     for mode, summary in per["modes"].items():
       # Packed rows cost what padded rows of their shape do (the calibration's packed point), so
       # bucketed packing's narrower widths are priced from the padded points.
-      summary["composed"] = compose(summary, per["shapes_of"][mode], calibration,
-                                    packed=summary["batching"] == "packed", batch_size=batch_size)
+      summary["composed"] = compose(summary, per["shapes_of"][mode], calibration, cost,
+                                    packed=summary["batching"] == "packed")
       summary["predicted"] = predict(summary, per["shapes_of"][mode], cost, calibration)
     del per["shapes_of"]
     for summary in per["modes"].values():

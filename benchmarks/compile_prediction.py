@@ -15,7 +15,7 @@ three share one fresh jaxsft cache, which holds the compile calibration:
 For each run the benchmark reports, from the run's summary.json: the predicted and measured
 seconds of compiles and of steps and their ratios; the cache state predicted and the state that
 happened; and the compiled programs. Measured compiles are the sum of trace, lowering and backend
-seconds over every program the run built, from JAX's events (jaxsft.compiles). The target is a
+seconds over every program the run built, from JAX's events (jaxsft.collation.compiles). The target is a
 predicted/measured compile ratio within 0.75 to 1.33 for the held-out runs, cold and warm, on every
 CPU. Seconds are wall-clock: on a shared machine others' work inflates them.
 

@@ -9,7 +9,7 @@ CPUs:
 - build: raw file -> token store (`open_or_build`, nothing cached): seconds, examples/s, peak RSS
   above the interpreter's RSS before the build (tokenizer loaded), store size on disk; then the
   bare `encode_batch` rate on the rendered texts of a sample of the same records, for reference;
-- first step: a second run's `train.load_data` + `train.plan_data` + first batch of the training
+- first step: a second run's `load_data` + `plan_data` (jaxsft.train.data_plan) + first batch of the training
   pipeline (the trainer's own functions; the model load is not included): seconds from the
   process's start, imports included.
 
@@ -128,17 +128,17 @@ def phase_first_step(args) -> dict:
   _pin(args.cores)
   marks = {}
   from jaxsft import config as config_lib
-  from jaxsft import train
+  from jaxsft.train.data_plan import load_data, plan_data
   from jaxsft.models.hub import load_tokenizer
 
   marks["imports"] = time.perf_counter() - T_START
   cfg = config_lib.TrainConfig()
   cfg.data.path, cfg.data.cache_dir, cfg.data.max_length = str(args.data), str(args.cache), args.max_length
-  train_records, val_records = train.load_data(cfg)
+  train_records, val_records = load_data(cfg)
   marks["load_data (store found)"] = time.perf_counter() - T_START
   tokenizer = load_tokenizer(cfg.model.name)  # what the model load returns with the model
   marks["tokenizer"] = time.perf_counter() - T_START
-  plan = train.plan_data(cfg, train_records, val_records, tokenizer, batch_multiple_of=1)
+  plan = plan_data(cfg, train_records, val_records, tokenizer, batch_multiple_of=1)
   marks["plan_data"] = time.perf_counter() - T_START
   batch = next(iter(plan.train_batches(tokenizer, seed=cfg.data.seed, num_epochs=1, worker_count=0)))
   marks["first batch"] = time.perf_counter() - T_START

@@ -359,3 +359,12 @@ class CompiledSteps:
 
   def evaluate(self, trainable, frozen, batch):
     return self._call(("evaluate", batch["input_ids"].shape), trainable, frozen, batch)
+
+
+def build_steps(cfg: config_lib.TrainConfig, graphdef, trainable, frozen, mesh: sharding_lib.MeshContext,
+                total_steps: int) -> tuple[CompiledSteps, Any]:
+  """(CompiledSteps, initial optimizer state) for a run of `total_steps` (the schedule's length)."""
+  schedule = make_schedule(cfg.optim, total_steps)
+  tx = make_optimizer(cfg.optim, schedule)
+  opt_state = jax.jit(tx.init, out_shardings=mesh.replicated)(trainable)  # follows the replicated trainable params
+  return CompiledSteps(make_step_functions(graphdef, cfg), trainable, opt_state, frozen, mesh, schedule), opt_state

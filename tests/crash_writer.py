@@ -90,12 +90,14 @@ def write_checkpoints(run: pathlib.Path, crash: CrashAt) -> None:
   for the second only."""
   import jax.numpy as jnp
 
-  from jaxsft import run_files, train
+  from jaxsft import run_files
+  from jaxsft.train.checkpoints import Checkpoints
+  from jaxsft.train.state import RunState
 
-  checkpoints = train.Checkpoints(run_files.RunFiles(run), keep=2)
+  checkpoints = Checkpoints(run_files.RunFiles(run), keep=2)
   for step in (1, 2):
-    state = train.RunState(trainable={"a": jnp.full((4, 3), float(step))}, opt_state={"m": jnp.full((3,), -float(step))},
-                           step=step, data_state={"position": step}, epoch_nll=float(step))
+    state = RunState(trainable={"a": jnp.full((4, 3), float(step))}, opt_state={"m": jnp.full((3,), -float(step))},
+                     step=step, data_state={"position": step}, epoch_nll=float(step))
     crash.armed = step == 2
     checkpoints.save(state)
     checkpoints.manager.wait_until_finished()

@@ -69,24 +69,41 @@ def test_collation_study_counts_composes_and_validates(tmp_path, no_compile_cach
   assert (tmp_path / "k.png").stat().st_size > 1000
 
 
-def test_interpolation_is_linear_between_and_beyond_points():
-  assert collation._interp(96, [64, 128], [1.0, 2.0]) == pytest.approx(1.5)
-  assert collation._interp(32, [64, 128], [1.0, 2.0]) == pytest.approx(0.5)
-  assert collation._interp(256, [64, 128], [1.0, 2.0]) == pytest.approx(4.0)
+def calibration_point(t, packed, compile_s, step_s):
+  return {"shape": [8, t], "packed": packed, "compile_s": compile_s, "untrained_step_s": step_s, "step_s": 2 * step_s}
+
+
+def test_a_padded_shape_costs_what_the_trainer_s_cost_model_says():
+  """The study prices every shape with the trainer's cost model fitted to its grid: a timed width
+  costs what it measured; between and beyond them, what the trainer would predict."""
+  from jaxsft.collation.cost import fit_step_cost
+
+  calibration = {"points": [calibration_point(64, False, 2.0, 1.0), calibration_point(128, False, 2.5, 2.0),
+                            calibration_point(256, False, 4.0, 5.0)]}
+  cost = collation.fit_cost(calibration)
+  assert cost == fit_step_cost([(8, 64, 1.0), (8, 128, 2.0), (8, 256, 5.0)], [(8, 64, 2.0), (8, 128, 2.5), (8, 256, 4.0)],
+                               [(8, 64, 2.0), (8, 128, 4.0), (8, 256, 10.0)])
+  for t, compile_s, step_s in ((64, 2.0, 1.0), (128, 2.5, 2.0), (256, 4.0, 5.0)):
+    assert collation.shape_cost(cost, calibration, (8, t), packed=False) == pytest.approx((compile_s, step_s))
+  for shape in ((8, 96), (4, 200), (8, 512)):
+    assert collation.shape_cost(cost, calibration, shape, packed=False) == pytest.approx(
+        (float(cost.compile_seconds(*shape)), float(cost.step_seconds(*shape))))
+  assert cost.per_trained_token == pytest.approx(np.mean([1.0 / 512, 2.0 / 1024, 5.0 / 2048]))
   assert collation.pow2_buckets(1024) == [32, 64, 128, 256, 512, 1024]
   assert collation.pow2_buckets(600) == [32, 64, 128, 256, 512, 600]
 
 
 def test_a_packed_row_of_an_uncalibrated_width_costs_the_padded_row_times_the_packed_ratio():
   """auto packs into the longest example rounded up, narrower than the one packed width measured."""
-  def point(t, packed, compile_s, step_s):
-    return {"shape": [8, t], "packed": packed, "compile_s": compile_s, "untrained_step_s": step_s, "step_s": 2 * step_s}
-
-  calibration = {"points": [point(256, False, 2.0, 1.0), point(512, False, 4.0, 3.0), point(512, True, 5.0, 3.6)]}
-  assert collation.shape_cost(calibration, (8, 512), packed=True, batch_size=8) == (5.0, 3.6)
-  compile_s, step_s = collation.shape_cost(calibration, (8, 384), packed=True, batch_size=8)
-  assert compile_s == pytest.approx(3.0 * 5.0 / 4.0) and step_s == pytest.approx(2.0 * 3.6 / 3.0)
-  assert collation.shape_cost(calibration, (4, 384), packed=True, batch_size=8)[1] == pytest.approx(step_s / 2)
+  calibration = {"points": [calibration_point(256, False, 2.0, 1.0), calibration_point(512, False, 4.0, 3.0),
+                            calibration_point(512, True, 5.0, 3.6)]}
+  cost = collation.fit_cost(calibration)
+  assert collation.shape_cost(cost, calibration, (8, 512), packed=True) == (5.0, 3.6)
+  compile_s, step_s = collation.shape_cost(cost, calibration, (8, 384), packed=True)
+  padded = collation.shape_cost(cost, calibration, (8, 384), packed=False)
+  assert padded == pytest.approx((3.0, float(cost.step_seconds(8, 384))))
+  assert compile_s == pytest.approx(3.0 * 5.0 / 4.0) and step_s == pytest.approx(padded[1] * 3.6 / 3.0)
+  assert collation.shape_cost(cost, calibration, (4, 384), packed=True)[1] == pytest.approx(step_s / 2)
 
 
 @pytest.mark.slow

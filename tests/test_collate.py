@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxsft.data import (IGNORE_INDEX, BatchPlan, bucket_index, choose_buckets, collate, load_records, padding_cost,
+from jaxsft.collation.buckets import choose_buckets
+from jaxsft.data import (IGNORE_INDEX, BatchPlan, bucket_index, collate, load_records, padding_cost,
                          round_up, target_length, tokenize_example)
 
 
@@ -187,7 +188,7 @@ def test_width_packer_places_every_item_once_in_rows_that_hold_it(lengths, width
   and the cost model's counts are the batches the packer emits."""
   import collections
 
-  from jaxsft.data.choose import packed_batches_per_shape
+  from jaxsft.collation.plans import packed_batches_per_shape
   from jaxsft.data.rows import WidthPacker
 
   packer = WidthPacker(widths, [batch_size] * len(widths))

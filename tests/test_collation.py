@@ -1,4 +1,4 @@
-"""The trainer's collation choice (jaxsft.collation): num_buckets / batching auto, and summary.json's
+"""The trainer's collation choice (jaxsft.collation.choice): num_buckets / batching auto, and summary.json's
 "collation" record of a run with `batching: auto` (tiny model, in process)."""
 
 import json
@@ -6,9 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from jaxsft import collation
 from jaxsft import config as config_lib
-from jaxsft.data.cost import StepCost
+from jaxsft.collation import choice as collation
+from jaxsft.collation.cost import StepCost
 
 
 def lengths(n=300, seed=0):

@@ -1,4 +1,4 @@
-"""What a run pays to compile (jaxsft.compiles): counted from JAX's events, cold and warm persistent
+"""What a run pays to compile (jaxsft.collation.compiles): counted from JAX's events, cold and warm persistent
 cache, and predicted per program from this machine's calibration."""
 
 import dataclasses
@@ -7,12 +7,11 @@ import os
 import pathlib
 import subprocess
 import sys
-import types
 
 import pytest
 
-from jaxsft import compiles
-from jaxsft.compiles import Calibration, CompilePrices, CompileTally, predict_compiles, signature
+from jaxsft.collation import compiles
+from jaxsft.collation.compiles import Calibration, CompilePrices, CompileTally, predict_compiles, signature
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -146,14 +145,13 @@ def test_the_calibration_key_changes_with_the_machine_the_jax_version_and_the_mo
 
 
 def test_a_packed_plan_recompiling_a_probe_width_keeps_the_probe_s_seconds():
-  from jaxsft.train import startup
+  from jaxsft.collation.account import compiled_by_phase
 
-  run = types.SimpleNamespace(probe_compile_seconds={(16, 128): 3.0, (4, 512): 6.0}, probe_extra="ids",
-                              data=types.SimpleNamespace(shapes=[(4, 512)]),
-                              steps=types.SimpleNamespace(compile_seconds={(16, 128): 3.0, (4, 512): 7.5}))
-  assert startup.compiled_by_phase(run, "packed") == {"probe": {(16, 128): 3.0, (4, 512): 6.0},
-                                                      "warm_up": {(4, 512): 7.5}}
-  assert startup.compiled_by_phase(run, "ids") == {"probe": {(16, 128): 3.0, (4, 512): 6.0}, "warm_up": {}}
+  probe_seconds, shapes, compile_seconds = {(16, 128): 3.0, (4, 512): 6.0}, [(4, 512)], {(16, 128): 3.0, (4, 512): 7.5}
+  assert compiled_by_phase(probe_seconds, "ids", shapes, compile_seconds, "packed") == {
+      "probe": {(16, 128): 3.0, (4, 512): 6.0}, "warm_up": {(4, 512): 7.5}}
+  assert compiled_by_phase(probe_seconds, "ids", shapes, compile_seconds, "ids") == {
+      "probe": {(16, 128): 3.0, (4, 512): 6.0}, "warm_up": {}}
 
 
 def train_in_subprocess(args, xla_cache: pathlib.Path, jaxsft_cache: pathlib.Path):
@@ -192,39 +190,37 @@ def test_a_run_predicts_and_reports_its_compiles_cold_then_warm(tiny_dir, small_
 
 
 def test_auto_chooses_at_cold_compile_prices_when_its_probes_were_cache_reads():
-  from jaxsft.data.cost import StepCost
-  from jaxsft.train import startup
+  from jaxsft.collation import probe
+  from jaxsft.collation.cost import StepCost
 
   probed = StepCost(a=0.1, b=1e-4, c=0.0, compile_base=0.2, compile_per_width=1e-4, compile_ratios=((128, 1.1), (512, 0.9)))
   cal = Calibration(cold=[[16, 128, 3.0], [4, 512, 6.0]])
   warm_probes = CompileTally(programs=6, cache_hits=6, seconds=1.0)
-  chosen = startup.with_cold_compiles(probed, cal, warm_probes)
+  chosen = probe.with_cold_compiles(probed, cal, warm_probes)
   assert (chosen.compile_base, chosen.compile_per_width) == pytest.approx((2.0, 1 / 128))
   assert chosen.compile_ratios == () and (chosen.a, chosen.b) == (probed.a, probed.b)
   # Cold probes timed real compiles: kept; so is a warm probe with no cold compile ever timed here.
-  assert startup.with_cold_compiles(probed, cal, CompileTally(programs=6, cache_misses=6, seconds=9.0)) == probed
-  assert startup.with_cold_compiles(probed, Calibration(), warm_probes) == probed
+  assert probe.with_cold_compiles(probed, cal, CompileTally(programs=6, cache_misses=6, seconds=9.0)) == probed
+  assert probe.with_cold_compiles(probed, Calibration(), warm_probes) == probed
 
 
 def test_only_programs_jax_writes_to_the_persistent_cache_are_remembered_as_cached(tmp_path):
   import jax
 
-  from jaxsft.train import startup
+  from jaxsft.collation import account
 
   saved = jax.config.jax_persistent_cache_min_compile_time_secs
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
   try:
-    assert startup.written_to_cache(1.5) and not startup.written_to_cache(0.4)
-    cal = Calibration()
-    run = types.SimpleNamespace(calibration=cal, probe_compile_seconds={(16, 128): 0.6, (4, 512): 5.0},
-                                probe_extra="ids", data=types.SimpleNamespace(shapes=[(4, 512)]),
-                                steps=types.SimpleNamespace(compile_seconds={(16, 128): 0.6, (4, 512): 5.0}),
-                                compile_phases={"probe": CompileTally(programs=4, cache_misses=4, seconds=5.6)})
+    assert account.written_to_cache(1.5) and not account.written_to_cache(0.4)
+    probe_seconds = {(16, 128): 0.6, (4, 512): 5.0}
     saved_dir, enabled = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
     jax.config.update("jax_compilation_cache_dir", str(tmp_path))
     jax.config.update("jax_enable_compilation_cache", True)
     try:
-      startup.learn_from_compiles(run, "ids", ("probe",))
+      phase = account.compiled_by_phase(probe_seconds, "ids", [(4, 512)], dict(probe_seconds), "ids")["probe"]
+      cal = account.learn_from_compiles(Calibration(), phase, CompileTally(programs=4, cache_misses=4, seconds=5.6),
+                                        "ids")
     finally:
       jax.config.update("jax_compilation_cache_dir", saved_dir)
       jax.config.update("jax_enable_compilation_cache", enabled)

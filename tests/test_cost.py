@@ -1,16 +1,18 @@
-"""The collation cost model (jaxsft.data.cost) and the cost-aware bucket DP (choose_buckets with
+"""The collation cost model (jaxsft.collation.cost) and the cost-aware bucket DP (choose_buckets with
 batch sizes, fill rows, T-dependent step cost and priced compiles)."""
 
 import itertools
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from jaxsft.data import choose_buckets
-from jaxsft.data.cost import (PADDED_TOKENS, PlanSeconds, StepCost, epochs_planned, fit_step_cost,
-                              plan_seconds)
+from jaxsft.collation.buckets import choose_buckets
+from jaxsft.collation.cost import (PADDED_TOKENS, PlanSeconds, StepCost, epochs_planned, fit_step_cost,
+                                   plan_seconds)
 
 
 def test_fit_recovers_the_cost_of_exact_samples():
@@ -161,7 +163,7 @@ def test_batches_per_shape_counts_what_the_pipeline_emits(tokenizer):
   import collections
 
   from jaxsft.data import make_batches, synthetic, tokenize_records
-  from jaxsft.data.choose import batches_per_shape, packed_batches_per_shape
+  from jaxsft.collation.plans import batches_per_shape, packed_batches_per_shape
 
   records = synthetic.make_dataset(60, seed=4)
   tokens = tokenize_records(tokenizer, records, max_length=128)
@@ -189,8 +191,8 @@ def test_packing_widths_chosen_on_a_sample_of_many_lengths_are_the_full_choice()
   """Past `sample` lengths the width search simulates a seeded sample, its steps scaled to all: on
   lengths with the same mix throughout it picks what simulating every length picks, and the widest
   width still holds the one longest example, which the sample does not contain."""
-  from jaxsft.data.choose import choose_packing_widths
-  from jaxsft.data.cost import DEFAULT_COST
+  from jaxsft.collation.plans import choose_packing_widths
+  from jaxsft.collation.cost import DEFAULT_COST
 
   rng = np.random.default_rng(1)
   mix = np.concatenate([rng.integers(20, 100, 300), rng.integers(400, 1000, 60)])
@@ -207,8 +209,8 @@ def test_packing_widths_pad_at_most_two_points_more_than_packing():
   pad over two points more than packing into rows of max_length; the chosen widths keep within the
   two points, cost no less than the cheapest and less than packing; and a bound the cheapest widths
   keep to leaves them the choice."""
-  from jaxsft.data.choose import MAX_EXTRA_WASTE_POINTS, choose_packing_widths, packed_batches_per_shape, padding_waste
-  from jaxsft.data.cost import DEFAULT_COST
+  from jaxsft.collation.plans import MAX_EXTRA_WASTE_POINTS, choose_packing_widths, packed_batches_per_shape, padding_waste
+  from jaxsft.collation.cost import DEFAULT_COST
 
   rng = np.random.default_rng(1)
   lengths = np.concatenate([rng.integers(60, 160, 248), rng.integers(400, 470, 8)])[rng.permutation(256)]
@@ -227,3 +229,12 @@ def test_packing_widths_pad_at_most_two_points_more_than_packing():
   assert waste_and_seconds(cheapest)[1] <= seconds < packing_seconds
   assert choose_packing_widths(lengths, 4, max_extra_waste=waste_and_seconds(cheapest)[0] - packing_waste + 1e-9,
                                **common) == cheapest
+
+
+def test_the_cost_model_and_the_bucket_choice_import_without_jax():
+  """The pipeline chooses buckets with them, and `python -m jaxsft.data stats` prices plans: pure
+  numpy, nothing of the step or the collation's entry point comes with them."""
+  check = ("'jax' not in sys.modules and 'jaxsft.data' not in sys.modules and "
+           "'jaxsft.collation.planner' not in sys.modules")
+  subprocess.run([sys.executable, "-c", f"import sys, jaxsft.collation.cost, jaxsft.collation.buckets; "
+                  f"assert {check}, sorted(sys.modules)"], check=True)

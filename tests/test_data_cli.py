@@ -131,13 +131,13 @@ def test_the_trainer_reports_a_record_the_template_cannot_label_in_one_line(note
 @pytest.mark.parametrize("cache", [True, False])
 def test_the_trainer_skips_a_record_the_template_cannot_label(note_model, tmp_path, cache):
   from jaxsft import config as config_lib
-  from jaxsft import train
+  from jaxsft.train.data_plan import load_file
 
   tok, data = note_model
   cfg = config_lib.TrainConfig()
   cfg.model.name = str(tok)
   cfg.data.on_error, cfg.data.cache, cfg.data.cache_dir = "skip", cache, str(tmp_path / "cache")
-  records = train.load_file(str(data), cfg)
+  records = load_file(str(data), cfg)
   assert [r["messages"][-1]["content"] for r in records] == ["b", "c"]  # line 3 (no completion), line 5 (zzz) left out
 
 

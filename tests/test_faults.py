@@ -101,12 +101,13 @@ def test_library_errors_that_name_an_os_error_in_their_text_are_environment_fail
 
 
 def test_refusal_classes_keep_their_builtin_bases():
-  from jaxsft import chat, config, export, generate, run_files, sharding, train
+  from jaxsft import chat, config, export, generate, run_files, sharding
   from jaxsft.data import DataError
   from jaxsft.data.store import StoreError
+  from jaxsft.train.state import TrainingError
 
   for cls, base in ((config.ConfigError, ValueError), (DataError, ValueError), (run_files.MetricsError, ValueError),
-                    (sharding.MeshError, ValueError), (train.TrainingError, RuntimeError), (StoreError, ValueError),
+                    (sharding.MeshError, ValueError), (TrainingError, RuntimeError), (StoreError, ValueError),
                     (generate.PromptTooLong, ValueError), (chat.ChatError, Exception), (export.ExportError, Exception),
                     (errors.ModelError, ValueError)):
     assert issubclass(cls, errors.JaxsftError) and issubclass(cls, base), cls
@@ -537,7 +538,9 @@ def test_a_folder_another_writer_publishes_first_is_replaced_whole(tmp_path, mon
 def test_killed_checkpoint_save_leaves_the_old_or_the_new_checkpoint_whole(tmp_path):
   import jax.numpy as jnp
 
-  from jaxsft import run_files, train
+  from jaxsft import run_files
+  from jaxsft.train.checkpoints import Checkpoints
+  from jaxsft.train.state import RunState
 
   runs = [tmp_path / f"run{n}" for n in range(8)]
   points, _ = crash_runs("checkpoint", runs)
@@ -546,8 +549,8 @@ def test_killed_checkpoint_save_leaves_the_old_or_the_new_checkpoint_whole(tmp_p
     files = run_files.RunFiles(run)
     files.lock()  # the next start of the trainer
     files.unlock()
-    template = train.RunState(trainable={"a": jnp.zeros((4, 3))}, opt_state={"m": jnp.zeros((3,))})
-    checkpoints = train.Checkpoints(files, keep=2)
+    template = RunState(trainable={"a": jnp.zeros((4, 3))}, opt_state={"m": jnp.zeros((3,))})
+    checkpoints = Checkpoints(files, keep=2)
     try:
       state = checkpoints.restore_newest(template, lambda data_state: None)
     finally:
@@ -569,17 +572,19 @@ def test_a_checkpoint_that_names_its_params_lora_still_resumes(tmp_path):
   import jax.numpy as jnp
   import orbax.checkpoint as ocp
 
-  from jaxsft import run_files, train
+  from jaxsft import run_files
+  from jaxsft.train.checkpoints import Checkpoints, SavedIteratorState
+  from jaxsft.train.state import RunState
 
   files = run_files.RunFiles(tmp_path / "run")
-  checkpoints = train.Checkpoints(files, keep=2)
+  checkpoints = Checkpoints(files, keep=2)
   try:
     checkpoints.manager.save(3, args=ocp.args.Composite(
         state=ocp.args.StandardSave({"lora": {"a": jnp.full((4, 3), 3.0)}, "opt_state": {"m": jnp.full((3,), -3.0)}}),
-        data_iter=grain.checkpoint.CheckpointSave(train.SavedIteratorState({"position": 3})),
+        data_iter=grain.checkpoint.CheckpointSave(SavedIteratorState({"position": 3})),
         meta=ocp.args.JsonSave({"epoch_nll": 3.0})))
     checkpoints.manager.wait_until_finished()
-    template = train.RunState(trainable={"a": jnp.zeros((4, 3))}, opt_state={"m": jnp.zeros((3,))})
+    template = RunState(trainable={"a": jnp.zeros((4, 3))}, opt_state={"m": jnp.zeros((3,))})
     state = checkpoints.restore_newest(template, lambda data_state: None)
     assert state.step == 3 and float(state.trainable["a"].min()) == 3.0 and float(state.opt_state["m"][0]) == -3.0
     assert state.data_state == {"position": 3} and state.epoch_nll == 3.0
@@ -638,9 +643,11 @@ def test_doctor_calls_a_collapse_to_the_uniform_loss_diverging_not_flat(tmp_path
 _RESTORE = """
 import sys
 import jax.numpy as jnp
-from jaxsft import run_files, train
-checkpoints = train.Checkpoints(run_files.RunFiles(sys.argv[1]), keep=2)
-template = train.RunState(trainable={"a": jnp.zeros((4, 3))}, opt_state={"m": jnp.zeros((3,))})
+from jaxsft import run_files
+from jaxsft.train.checkpoints import Checkpoints
+from jaxsft.train.state import RunState
+checkpoints = Checkpoints(run_files.RunFiles(sys.argv[1]), keep=2)
+template = RunState(trainable={"a": jnp.zeros((4, 3))}, opt_state={"m": jnp.zeros((3,))})
 print("restored", checkpoints.restore_newest(template, lambda data_state: None).step, file=sys.stderr)
 checkpoints.close()
 """

@@ -236,7 +236,7 @@ def test_epoch_lengths_are_the_epochs_order_and_price_its_batches(records, token
   `auto` chooses): from it, dynamic padding's and bucketed packing's batches per shape are the
   epoch's, which the record order does not give."""
   from jaxsft.data import epoch_lengths
-  from jaxsft.data.choose import batches_per_shape
+  from jaxsft.collation.plans import batches_per_shape
 
   one_by_one = make_batches(records, tokenizer, max_length=MAX_LENGTH, batching="dynamic", batch_size=1,
                             pad_to_multiple_of=1, seed=3, tokenized=tokens)
@@ -251,7 +251,7 @@ def test_epoch_lengths_are_the_epochs_order_and_price_its_batches(records, token
                                               bucket_lengths=extra.get("bucket_lengths"))[0]
   assert counted(in_epoch) == emitted
   assert counted(tokens.lengths) != emitted  # record order: other batches
-  from jaxsft import collation  # what auto and the run's prediction price: this order here, record order where it is free
+  from jaxsft.collation import choice as collation  # what auto and the run's prediction price: this order here, record order where it is free
 
   assert np.array_equal(collation.priced_lengths(batching, tokens, seed=3), in_epoch)
   assert np.array_equal(collation.priced_lengths("auto", tokens, seed=3), in_epoch)

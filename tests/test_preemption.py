@@ -139,7 +139,8 @@ def test_the_library_installs_no_handlers_unless_asked():
   """`train(cfg)` from Python keeps the caller's handlers; `StopSignals` puts them back on leaving."""
   import inspect
 
-  from jaxsft.train import NoStopSignals, StopSignals, recipe
+  from jaxsft.train import recipe
+  from jaxsft.train.preemption import NoStopSignals, StopSignals
 
   assert inspect.signature(recipe.train).parameters["stop_on_signals"].default is False
   mine = lambda signum, frame: None  # noqa: E731

@@ -262,7 +262,7 @@ def test_data_running_out_early_still_ends_with_a_fresh_validation(tiny_dir, sma
   batches x epochs): the run then stops early, and its last validation is of its last step."""
   from jaxsft import config_args
   from jaxsft import data
-  from jaxsft.train import load_data
+  from jaxsft.train.data_plan import load_data
 
   packed = ["data.batching=packed", "data.max_length=256", "data.batch_size=4", "epochs=2"]
   cfg = config_args.parse_args([str(a) for a in base_args(tiny_dir, small_data, tmp_path / "unused", *packed)])

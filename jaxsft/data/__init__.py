@@ -1,18 +1,17 @@
-"""Instruction data: loading, chat-template masking, collation, bucket choice, Grain batches.
+"""Instruction data: loading, chat-template masking, padding, Grain batches.
 
 records.py (files -> chat records; json_array.py streams JSON arrays), template.py (chat templates:
 rendering, the trained reply spans), tokenize.py (records -> token ids and labels), examples.py
-(`TokenizedRecords`, in memory or from a store), collate.py (padding, bucket choice), bucketing.py
+(`TokenizedRecords`, in memory or from a store), collate.py (padding), bucketing.py
 (length-grouped batching, bucketed packing), packing.py (packed modes; rows.py the rows of bucketed packing),
 pipeline.py (the Grain chain and its entry points; pipeline_stats.py its counters), mix.py (several
-sources drawn by weight: `data.mix`), cost.py (the
-collation cost model), choose.py (plans priced by it: packing widths, `batching: auto`), store.py
+sources drawn by weight: `data.mix`), store.py
 (a file tokenized once into a memory-mapped token store), stats.py (`python -m jaxsft.data stats`).
+Which buckets, widths or mode a plan uses, and what it costs, is `jaxsft.collation`.
 """
 
 from jaxsft.config_checks import BATCHING
-from jaxsft.data.collate import (PaddingCost, bucket_index, choose_buckets, collate, padding_cost, round_up,
-                                 target_length)
+from jaxsft.data.collate import PaddingCost, bucket_index, collate, padding_cost, round_up, target_length
 from jaxsft.data.examples import TokenizedRecords
 from jaxsft.data.pipeline_stats import PipelineStats
 from jaxsft.data.records import (FORMATS, ON_ERROR, DataError, Record, SkipReport, iter_records, load_records,
@@ -44,7 +43,7 @@ def __getattr__(name: str):
 __all__ = [
     "BATCHING", "BatchPlan", "BucketBatchIterDataset", "DataError", "FORMATS", "IGNORE_INDEX", "ON_ERROR",
     "PLAIN_CHAT_TEMPLATE", "PaddingCost", "PipelineStats", "Record", "SkipReport", "SpanRenderer", "StoreError",
-    "TRAIN_ON", "TokenStore", "TokenizedRecords", "batch_shapes", "bucket_index", "choose_buckets", "collate",
+    "TRAIN_ON", "TokenStore", "TokenizedRecords", "batch_shapes", "bucket_index", "collate",
     "count_batches", "epoch_lengths", "encode_batches", "iter_records", "load_records", "make_batches", "normalize_record",
     "open_or_build", "padding_cost", "render_with_spans", "round_up", "target_length", "tokenize_example",
     "tokenize_file", "tokenize_records",

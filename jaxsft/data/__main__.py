@@ -117,7 +117,7 @@ def _tokenized(args, tokenizer):
 
 def _cost(run_dir: str | None):
   """The cost a run measured (summary.json's collation.cost), else the default."""
-  from jaxsft.data.cost import DEFAULT_COST, StepCost
+  from jaxsft.collation.cost import DEFAULT_COST, StepCost
 
   if run_dir is None:
     return DEFAULT_COST
@@ -147,7 +147,7 @@ def _stats(args, tokenizer, records, tokenized, skipped: int) -> int:
                             batch_size=args.batch_size, pad_to_multiple_of=args.pad_to_multiple_of,
                             train_on=args.train_on, tokenized=tokenized)
   print(format_comparison(result, predict_seconds(result, args.cost, epochs=args.epochs)))
-  from jaxsft.data.choose import choose_collation
+  from jaxsft.collation.plans import choose_collation
   from jaxsft.data.collate import round_up
 
   longest = min(args.max_length, round_up(int(tokenized.lengths.max()), args.pad_to_multiple_of))  # as the trainer

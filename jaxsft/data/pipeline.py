@@ -47,9 +47,7 @@ import numpy as np
 
 from jaxsft.config_checks import BATCHING  # the config's list of choices (data.batching)
 from jaxsft.data.bucketing import BatchPlan, BucketBatchIterDataset
-from jaxsft.data.choose import choose_packing_widths, packed_batches_per_shape
-from jaxsft.data.collate import bucket_index, choose_buckets
-from jaxsft.data.cost import DEFAULT_COST
+from jaxsft.data.collate import bucket_index
 from jaxsft.data.examples import TokenizedRecords
 from jaxsft.data.mix import Mix
 from jaxsft.data.packing import packed_batches
@@ -200,6 +198,11 @@ class _BatchingOptions:
       return BatchPlan(None, (self.batch_size_for(self.max_length),), **common)
     if self.batching in ("static", "packed"):
       return BatchPlan((self.max_length,), (self.batch_size_for(self.max_length),), **common)
+    # The collation package imports the data layer (the packer it simulates): imported here, not above.
+    from jaxsft.collation.buckets import choose_buckets
+    from jaxsft.collation.cost import DEFAULT_COST
+    from jaxsft.collation.plans import choose_packing_widths
+
     if self.bucket_lengths is not None:
       buckets = sorted({int(b) for b in self.bucket_lengths})  # a repeated width is one bucket
     elif self.batching == "bucketed_packed":
@@ -248,7 +251,7 @@ def make_batches(records: Sequence[dict], tokenizer, *, max_length: int, batchin
       pad_to_multiple_of), "bucketed" (T = the example's bucket), "packed" (first-fit packing into
       rows of max_length with segment ids and per-segment positions) or "bucketed_packed" (packed
       rows of a few widths, `rows.WidthPacker`).
-    bucket_lengths: bucket boundaries; None chooses `num_buckets` of them with `choose_buckets` over
+    bucket_lengths: bucket boundaries; None chooses `num_buckets` of them with `collation.buckets.choose_buckets` over
       the token lengths (of `tokenized`, else of every record tokenized once here).
     batch_size / tokens_per_batch: rows per batch, or a token budget B_k = tokens_per_batch // T_k.
     batch_multiple_of: every batch size is a multiple of it (the data-parallel degree).
@@ -372,6 +375,8 @@ def count_batches(tokenized: TokenizedRecords, *, max_length: int, batching: str
     stream = _example_stream(step, seed=seed, shuffle=shuffle, num_epochs=1, worker_count=0, unchunk=False)
     return sum(1 for _ in packed_batches(stream, plan, seed=seed, stats=None, rows_to_batch=len))
   if batching == "bucketed_packed":  # in the epoch's order, as the batcher packs
+    from jaxsft.collation.plans import packed_batches_per_shape
+
     return sum(packed_batches_per_shape(epoch_lengths(tokenized, seed=seed, shuffle=shuffle, mix=mix), plan.bucket_lengths,
                                         dict(zip(plan.bucket_lengths, plan.batch_sizes)).__getitem__).values())
   if mix is not None:  # the examples of the mix's first epoch

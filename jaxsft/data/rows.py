@@ -1,6 +1,6 @@
 """Rows of a few widths for bucketed packing: `WidthPacker` decides which examples share a row and
 when a width's batch is complete, `packed_batch` builds one batch's arrays. Shared by the bucket
-batcher (bucketing.py) and the cost model's batch counts (choose.py), so what is priced is what the
+batcher (bucketing.py) and the cost model's batch counts (`jaxsft.collation.plans`), so what is priced is what the
 pipeline emits.
 """
 

@@ -9,7 +9,7 @@ import numpy as np
 
 import collections
 
-from jaxsft.data.cost import PlanSeconds, StepCost, plan_seconds
+from jaxsft.collation.cost import PlanSeconds, StepCost, plan_seconds
 from jaxsft.data.pipeline import BATCHING, batch_shapes, make_batches
 from jaxsft.data.pipeline_stats import PipelineStats
 from jaxsft.data.examples import TokenizedRecords

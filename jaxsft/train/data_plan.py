@@ -1,6 +1,7 @@
 """A run's data before step 1: `load_data` reads the records (through their token store; of every
-source of a `data.mix`) and holds out the validation split, `plan_data` tokenizes both splits once and resolves the batching
-into a `DataPlan`: bucket shapes, batches per epoch and the Grain pipelines."""
+source of a `data.mix`) and holds out the validation split, `plan_data` tokenizes both splits once
+and has the collation resolved (`jaxsft.collation.plan`) into a `DataPlan`: bucket shapes, batches
+per epoch and the Grain pipelines."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import jax
 import numpy as np
 
 from jaxsft import collation as collation_lib
+from jaxsft.collation.probe import ProbeTarget
 from jaxsft import config as config_lib
 from jaxsft import data as data_lib
 from jaxsft import models
@@ -118,9 +120,10 @@ def load_file(path: str, cfg: config_lib.TrainConfig, *, fmt: str | None = None,
   return records
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class DataPlan:
-  """Both splits, tokenized once (the pipelines reuse it every epoch and every validation)."""
+  """Both splits, tokenized once (the pipelines reuse it every epoch and every validation); fixed
+  once planned, but for `stats`, the pipeline's counters."""
 
   train_records: list[dict]
   val_records: list[dict]
@@ -131,10 +134,9 @@ class DataPlan:
   batches_per_epoch: int
   stats: data_lib.PipelineStats
   shard_by_process: bool
-  train_lengths: np.ndarray
-  """The training lengths plans are priced over (`collation.priced_lengths` of the configured batching:
-  the epoch's order wherever it matters, which is also right for whatever `auto` chooses)."""
-  collation: collation_lib.Choice | None = None
+  collation: collation_lib.Collation
+  """The collation plan the batching comes from: the choice, the lengths it is priced over and what
+  the probes compiled."""
   mix: mix_lib.Mix | None = None  # the sources of `data.mix`, end to end in the training records
 
   def train_batches(self, tokenizer, *, seed: int, num_epochs: int | None, worker_count: int):
@@ -148,9 +150,9 @@ class DataPlan:
 
 
 def plan_data(cfg: config_lib.TrainConfig, train_records: list[dict], val_records: list[dict], tokenizer,
-              batch_multiple_of: int, cost_for=None) -> DataPlan:
-  """Both splits tokenized once, the batching resolved (buckets, widths, `auto`'s choice under
-  `cost_for(longest example rounded up)`, a `StepCost` or None for the default) and every batch
+              batch_multiple_of: int, target: ProbeTarget | None = None) -> DataPlan:
+  """Both splits tokenized once, the batching resolved by the collation plan (with `target`, the
+  trainer's model to probe the step's cost on where the choice needs seconds) and every batch
   shape listed."""
   d = cfg.data
   tokens = dict(max_length=d.max_length, train_on=d.train_on)
@@ -160,25 +162,14 @@ def plan_data(cfg: config_lib.TrainConfig, train_records: list[dict], val_record
     train_tokens = data_lib.tokenize_records(tokenizer, train_records, **tokens)
   if val_tokens is None:
     val_tokens = data_lib.tokenize_records(tokenizer, val_records, **tokens)
-  batching = dict(max_length=d.max_length, batching=d.batching, bucket_lengths=list(d.bucket_lengths) if d.bucket_lengths else None,
-                  num_buckets=d.num_buckets, batch_size=d.batch_size, tokens_per_batch=d.tokens_per_batch,
-                  pad_to_multiple_of=d.pad_to_multiple_of, batch_multiple_of=batch_multiple_of, train_on=d.train_on)
-  choice = None
-  mix = None
+  mix, train_lengths = None, None
   if isinstance(train_records, mix_lib.MixedRecords):
     mix = mix_lib.Mix(train_records.sizes, tuple(source.weight for source in d.mix))
     train_lengths = data_lib.epoch_lengths(train_tokens, seed=d.seed, mix=mix)  # what one epoch of the mix reads
-  else:
-    train_lengths = collation_lib.priced_lengths(d.batching, train_tokens, seed=d.seed)
-  if d.batching in collation_lib.CHOOSES_FROM_LENGTHS and not d.bucket_lengths:
-    # One set of boundaries for train and validation (the eval step reuses the train shapes); the
-    # largest is the longest example, so no bucket is compiled that no batch would use.
-    lengths = np.concatenate([train_lengths, val_tokens.lengths])
-    batching["max_length"] = min(d.max_length, data_lib.round_up(int(lengths.max()), d.pad_to_multiple_of))
-    choice = collation_lib.choose(cfg, lengths, num_train=len(train_lengths), max_length=batching["max_length"],
-                                  batch_size_for=collation_lib.batch_size_rule(d, batch_multiple_of),
-                                  cost=cost_for(batching["max_length"]) if cost_for else None)
-    batching.update(choice.batching)
+  collation = collation_lib.plan(cfg, train_tokens, val_tokens, batch_multiple_of=batch_multiple_of, target=target,
+                                 train_lengths=train_lengths)
+  batching = collation.batching
+  if collation.choice is not None:  # chosen from the lengths: max_length is the longest example rounded up
     train_tokens = train_tokens.with_max_length(batching["max_length"])
     val_tokens = val_tokens.with_max_length(batching["max_length"])
   shard = jax.process_count() > 1
@@ -187,4 +178,4 @@ def plan_data(cfg: config_lib.TrainConfig, train_records: list[dict], val_record
     shapes |= set(data_lib.batch_shapes(val_records, tokenizer, tokenized=val_tokens, shard_by_process=shard, **batching))
   batches_per_epoch = data_lib.count_batches(train_tokens, seed=d.seed, shuffle=True, mix=mix, **batching)
   return DataPlan(train_records, val_records, train_tokens, val_tokens, batching, sorted(shapes), batches_per_epoch,
-                  data_lib.PipelineStats(), shard, train_lengths, choice, mix)
+                  data_lib.PipelineStats(), shard, collation, mix)

@@ -95,13 +95,13 @@ def train_step(run: Run, state: RunState, batches: DevicePrefetch) -> dict | Non
           "epoch": epochs_seen[-1], "device_out": out, "dispatched_at": t_step, "shapes": shapes}
 
 
-def finish_record(run: Run, record: dict, since: float) -> float:
+def finish_record(run: Run, state: RunState, record: dict, since: float) -> float:
   """Waits for the step's device metrics and completes `record` in place (loss, lr, grad norm,
   valid tokens, throughput); returns when the step was seen done.
 
   `seconds` runs from `since` (the previous step seen done, or this step's dispatch when that
   was later: after a validation or a checkpoint) to now, so with steps in flight back to back
-  the seconds add up to the wall time.
+  the seconds add up to the wall time; they add to `state.step_seconds`.
   """
   out, dispatched_at, shapes = record.pop("device_out"), record.pop("dispatched_at"), record.pop("shapes")
   out = {k: np.asarray(v) for k, v in jax.device_get(out).items()}
@@ -111,7 +111,7 @@ def finish_record(run: Run, record: dict, since: float) -> float:
     tokens, real = (int(x) for x in sharding_lib.sum_over_processes([tokens, real]))
   valid = int(out["n_valid"])  # the loss's own (shifted) count
   seconds = max(done - max(since, dispatched_at), 1e-9)
-  run.step_seconds += seconds
+  state.step_seconds += seconds
   record.update({
       "loss": float(out["loss"]), "lr": float(out["lr"]), "grad_norm": float(out["grad_norm"]),
       "tokens": tokens, "real_tokens": real, "valid_tokens": valid,
@@ -177,7 +177,7 @@ def save_checkpoint(run: Run, state: RunState) -> bool:
     log.warning("step %d: no checkpoint saved: the weights or the optimizer state hold non-finite values", state.step)
     return False
   run.checkpoints.save(state)
-  run.last_saved_step = state.step
+  state.last_saved_step = state.step
   save_tuned(run, nnx.merge(run.graphdef, state.trainable, run.frozen))
   return True
 
@@ -191,7 +191,7 @@ def discard_poisoned_checkpoint(run: Run, state: RunState, first_bad_step: int) 
   checkpoints = run.checkpoints
   checkpoints.manager.wait_until_finished()
   newest = checkpoints.manager.latest_step()
-  if newest is None or newest != first_bad_step - 1 or newest != run.last_saved_step:
+  if newest is None or newest != first_bad_step - 1 or newest != state.last_saved_step:
     return newest
   log.warning("checkpoint %d: its weights gave a non-finite loss at step %d; deleting it", newest, first_bad_step)
   checkpoints.manager.delete(newest)
@@ -280,7 +280,7 @@ def run_loop(run: Run, state: RunState, batches: DevicePrefetch, stop: StopSigna
 
   def complete(record: dict) -> None:
     nonlocal last_done, warned_recompiles
-    last_done = finish_record(run, record, last_done)
+    last_done = finish_record(run, state, record, last_done)
     account_step(run, state, record)
     if run.steps.recompiles > warned_recompiles:
       warned_recompiles = run.steps.recompiles
@@ -337,7 +337,7 @@ def save_on_signal(run: Run, state: RunState) -> None:
   """The checkpoint of a run stopped by a signal, at the step it finished (the data position and
   the epoch sums included, so `--resume` goes on exactly); none when that step is already saved
   (a signal before the first step after a resume) or no step ran."""
-  if state.step == 0 or state.step == run.last_saved_step or state.step in run.checkpoints.manager.all_steps():
+  if state.step == 0 or state.step == state.last_saved_step or state.step in run.checkpoints.manager.all_steps():
     return
   if save_checkpoint(run, state):
     log.info("step %d: checkpoint saved (--resume continues from it)", state.step)

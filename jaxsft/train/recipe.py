@@ -44,7 +44,7 @@ def train(cfg: config_lib.TrainConfig, *, stop_on_signals: bool = False) -> RunR
 
 
 def _train(run: Run, state: RunState, stop: StopSignals) -> RunResult:
-  state, iterator = start_or_resume(run, state)
+  run, state, iterator = start_or_resume(run, state)
   try:
     return train_and_finish(run, state, iterator, stop)
   finally:
@@ -87,7 +87,7 @@ def train_and_finish(run: Run, state: RunState, iterator, stop: StopSignals | No
     trainable, frozen = sharding_lib.to_host((trainable, frozen))
     if not run.files.writer:
       return result
-  finish(run, result, nnx.merge(run.graphdef, trainable, frozen))
+  finish(run, state, result, nnx.merge(run.graphdef, trainable, frozen))
   return result
 
 

@@ -16,7 +16,7 @@ from jaxsft import matmul as matmul_lib
 from jaxsft import models
 from jaxsft import tracking
 from jaxsft.run_files import RunFiles
-from jaxsft.train.state import RunResult
+from jaxsft.train.state import RunResult, RunState
 
 if TYPE_CHECKING:  # annotations only: startup.py imports the model and data layers
   from jaxsft.train.startup import Run
@@ -24,9 +24,10 @@ if TYPE_CHECKING:  # annotations only: startup.py imports the model and data lay
 log = logging.getLogger("jaxsft.train")
 
 
-def finish(run: Run, result: RunResult, model) -> None:
+def finish(run: Run, state: RunState, result: RunResult, model) -> None:
   """Loss curve, doctor, tuned-vs-base evaluation, summary."""
   from jaxsft import doctor, plot, run_files
+  from jaxsft.collation.summary import summary as collation_summary
 
   cfg, files = run.cfg, run.files
   try:
@@ -35,9 +36,10 @@ def finish(run: Run, result: RunResult, model) -> None:
     log.warning("loss curve not plotted: %s", e)
   result.diagnosis = doctor.diagnose_run(files.dir)
   files.write_text(files.doctor_report, result.diagnosis.report() + "\n")
+  generated = None  # what the evaluation's generation compiled
   if cfg.eval.generate and run.data.val_records:
-    from jaxsft import compiles as compiles_lib
     from jaxsft import evaluate
+    from jaxsft.collation import compiles as compiles_lib
 
     before = compiles_lib.ledger().tally()
     base = None
@@ -46,13 +48,15 @@ def finish(run: Run, result: RunResult, model) -> None:
     result.evaluation = evaluate.compare_base_and_tuned(model, run.tokenizer, run.data.val_records, cfg, base=base,
                                                        show=not cfg.logging.quiet)
     files.write_json(files.evaluation, result.evaluation)
-    run.compile_phases["generate"] = compiles_lib.ledger().tally() - before
+    generated = compiles_lib.ledger().tally() - before
   summary = {
       "steps": result.steps, "final_loss": result.final_loss, "first_val_loss": result.first_val_loss,
       "val_loss": result.val_loss, "warmup_compiles": result.compiles_warmup, "recompiles": result.recompiles,
       "stopped_early": result.stopped_early, "stopped": result.stopped, "diagnosis": result.diagnosis.pattern,
       "data": run.data.stats.summary(), **data_sources(run), "seconds": round(time.time() - run.t_start, 1),
-      "collation": collation_summary(run), **run.param_bytes,
+      "collation": collation_summary(run.collation, step_seconds=state.step_seconds, generate=generated,
+                                     writer=files.writer),
+      **run.param_bytes,
   }
   if result.evaluation:
     for name in ("base", "tuned"):
@@ -110,52 +114,6 @@ def data_sources(run: Run) -> dict:
   counts = run.data.stats.source_counts(len(sources))
   return {"data_sources": [{"path": s.path, "weight": s.weight, "share": round(share, 6), **c}
                            for s, share, c in zip(sources, mix.weights, counts)]}
-
-
-def collation_summary(run: Run) -> dict:
-  """summary.json's "collation": the choice, its predicted seconds and the measured ones. Measured
-  compiles are every program the run built (trace, lowering and XLA's compile or the persistent
-  cache's read), from setup to now, JAX's own events counting them; `compiles` says which programs
-  were predicted and which cache state, beside what happened (per phase)."""
-  from jaxsft import compiles as compiles_lib
-  from jaxsft.train import startup
-
-  total = compiles_lib.ledger().tally() - run.compile_start
-  phases = {name: tally.to_dict() for name, tally in run.compile_phases.items()}
-  other = total
-  for tally in run.compile_phases.values():
-    other = other - tally
-  phases["other"] = other.to_dict()
-  learn_from_run(run, total, other)
-  collation = dict(run.collation)
-  predicted = collation.pop("compiles_predicted", None)
-  collation["measured_seconds"] = {"steps": round(run.step_seconds, 3), "compiles": round(total.seconds, 3)}
-  collation["cache"] = {"folder": startup.cache_folder(), "predicted": predicted["cache_state"] if predicted else None,
-                        "measured": total.cache_state}
-  collation["compiles"] = {"predicted": predicted, "measured": {**total.to_dict(), "phases": phases}}
-  return collation
-
-
-def learn_from_run(run: Run, total, other) -> None:
-  """The calibration keeps what generation compiled (cold: seconds per program) and the run's other
-  programs' seconds, for the next run's prediction."""
-  from jaxsft.train import startup
-
-  cal = run.calibration
-  if cal is None:
-    return
-  generated = run.compile_phases.get("generate")
-  programs = run.generation_signatures if generated is not None else []
-  if programs and generated.cache_state == "cold":
-    cal.generate = [[8, 0, generated.seconds / len(programs)]]
-  # The other programs mostly bypass the persistent cache: priced by the state of the run they were in.
-  cal.fixed["warm" if total.cache_hits else "cold"] = other.seconds
-  folder = startup.cache_folder()
-  if folder:
-    cold_seconds = generated.seconds / len(programs) if programs else 0.0
-    found = not programs or generated.cache_state == "warm" or startup.written_to_cache(cold_seconds)
-    cal.cached[folder] = sorted(set(cal.cached.get(folder, [])) | {"other"} | (set(programs) if found else set()))
-  startup.save_calibration(run)
 
 
 def summary_text(files: RunFiles, summary: dict, result: RunResult) -> str:

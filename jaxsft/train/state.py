@@ -16,7 +16,8 @@ class TrainingError(JaxsftError, RuntimeError):
 @dataclasses.dataclass
 class RunState:
   """Everything the loop changes. Checkpoints hold `trainable`, `opt_state`, `data_state` and the
-  scalars (`scalars()`); a resume restores all of them and continues exactly."""
+  scalars (`scalars()`); a resume restores all of them and continues exactly. `step_seconds` and
+  `last_saved_step` are this process's and not in a checkpoint."""
 
   trainable: Any  # the LoRA factors, or every param in full mode
   opt_state: Any
@@ -33,6 +34,9 @@ class RunState:
   val_loss: float | None = None
   val_step: int | None = None  # the step `val_loss` was measured at
   data_stats: dict | None = None  # the pipeline's counters as of the last consumed batch
+  # This process's own, never checkpointed (a resumed run starts them afresh):
+  step_seconds: float = 0.0  # Σ of the steps' `seconds` this process ran
+  last_saved_step: int | None = None  # the newest checkpoint this process saved (not one it resumed from)
 
   SCALARS = ("epoch", "epoch_nll", "epoch_valid", "first_val_loss", "best_val", "bad_evals",
              "nonfinite_in_row", "last_loss", "val_loss", "val_step", "data_stats")

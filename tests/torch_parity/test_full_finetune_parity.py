@@ -13,7 +13,7 @@ from flax import nnx
 from jaxsft import config as config_lib
 from jaxsft import step as step_lib
 from jaxsft.models import hf_weights
-from jaxsft.train import trainable_filter
+from jaxsft.train.startup import trainable_filter
 from parity_utils import batch_of, grad_rel_err, model_inputs, torch_logits
 
 LR, WD, CLIP = 1e-3, 0.01, 1.0

@@ -1,17 +1,7 @@
-"""The trainer's collation choice: buckets, packing widths or (`batching: auto`) the whole mode,
-from the token lengths and the cost model (`jaxsft.data.cost`), and the run's account of it.
-
-The step's cost comes from this run's own timings: `auto` compiles a few probe shapes before it
-chooses (`probe_cost`); every run times one call of (up to `TIMED_SHAPES` of) its compiled shapes at
-warm-up, fits `StepCost` to them and records in summary.json
-
-    "collation": {"choice": ..., "predicted_seconds": {"steps": s, "compiles": s},
-                  "measured_seconds": {"steps": s, "compiles": s}, "cache": {...}, "compiles": {...},
-                  "cost": {...}, "candidates": [...]}
-
-steps predicted over the planned steps, measured over the steps this process ran (a resumed run's
-earlier steps are not in it); compiles predicted and measured over every program the run compiles,
-cold or warm persistent cache (jaxsft.compiles, docs/collation_cost.md).
+"""The trainer's collation choice from its config: buckets, packing widths or (`batching: auto`) the
+whole mode, from the token lengths and the cost model (`cost.py`), and the plan's predicted seconds.
+Nothing here compiles or times: the seconds come in as a `StepCost` (the probes' fit, `probe.py`,
+or the default).
 """
 
 from __future__ import annotations
@@ -24,9 +14,10 @@ from typing import Callable
 import numpy as np
 
 from jaxsft import config as config_lib
-from jaxsft.data import choose as choose_lib
-from jaxsft.data import cost as cost_lib
-from jaxsft.data.collate import choose_buckets, round_up
+from jaxsft.collation import cost as cost_lib
+from jaxsft.collation import plans as plans_lib
+from jaxsft.collation.buckets import choose_buckets
+from jaxsft.data.collate import round_up
 
 log = logging.getLogger("jaxsft.collation")
 
@@ -38,7 +29,7 @@ TIMED_SHAPES = 6
 """Warm-up times one call of at most this many compiled shapes (spread over the widths) to fit the cost."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Choice:
   """What was chosen (`name`, make_batches' `batching` arguments), under which `cost`, for how many
   `epochs`, and the priced candidates (cheapest first) when there was a choice of modes."""
@@ -82,7 +73,7 @@ def choose(cfg: config_lib.TrainConfig, lengths: np.ndarray, *, num_train: int, 
   count = MAX_AUTO_BUCKETS if auto_count else int(d.num_buckets)
   common = dict(multiple_of=d.pad_to_multiple_of, max_length=max_length)
   if d.batching == "auto":
-    candidates = choose_lib.choose_collation(lengths, cost=cost, max_length=max_length, batch_size_for=batch_size_for,
+    candidates = plans_lib.choose_collation(lengths, cost=cost, max_length=max_length, batch_size_for=batch_size_for,
                                              pad_to_multiple_of=d.pad_to_multiple_of, epochs=epochs,
                                              max_buckets=count)
     return Choice(candidates[0].name, candidates[0].batching, cost, epochs, candidates)
@@ -93,7 +84,7 @@ def choose(cfg: config_lib.TrainConfig, lengths: np.ndarray, *, num_train: int, 
     else:
       buckets = choose_buckets(lengths, count, batch_size=batch_size_for, **common)
   else:
-    buckets = choose_lib.choose_packing_widths(lengths, min(count, choose_lib.MAX_PACKING_WIDTHS) if auto_count else count,
+    buckets = plans_lib.choose_packing_widths(lengths, min(count, plans_lib.MAX_PACKING_WIDTHS) if auto_count else count,
                                                batch_size_for=batch_size_for, cost=cost, epochs=epochs,
                                                price_compiles=auto_count, **common)
   return Choice(f"{d.batching} K={len(buckets)}", {"batching": d.batching, "bucket_lengths": buckets,
@@ -130,21 +121,6 @@ def timed_shapes(shapes: list[tuple[int, int]], limit: int = TIMED_SHAPES) -> li
   return [shapes[i] for i in sorted({round(i * (len(shapes) - 1) / (limit - 1)) for i in range(limit)})]
 
 
-def fit_from_steps(steps, shapes: list[tuple[int, int]], keys: tuple[str, ...], *, fused: bool) -> cost_lib.StepCost:
-  """Times each of `timed_shapes(shapes)` not timed yet (compiled already) and fits the cost to every
-  shape `steps` timed (probes included) and to the compile seconds it recorded for every shape."""
-  timed = timed_shapes(shapes)
-  for shape in timed:
-    if tuple(shape) not in steps.step_seconds:
-      steps.time_step(tuple(shape), keys, fused=fused)
-  if not steps.trained_step_seconds:  # the LM head's share: the widest shape again, every label trained
-    steps.time_step(tuple(timed[-1]), keys, fused=fused, trained=True)
-  samples = [(b, t, s) for (b, t), s in steps.step_seconds.items()]
-  compiles = [(b, t, s) for (b, t), s in steps.compile_seconds.items()]
-  trained = [(b, t, s) for (b, t), s in steps.trained_step_seconds.items()]
-  return cost_lib.fit_step_cost(samples, compiles, trained)
-
-
 def trained_tokens(tokenized, sample: int = 20_000) -> int:
   """Labels trained per epoch (each example's first label never is: nothing predicts it); over a
   seeded sample of `sample` examples, scaled, when there are more."""
@@ -163,7 +139,7 @@ def predicted(choice_cost: cost_lib.StepCost, batching: dict, lengths: np.ndarra
   """The plan's predicted seconds under `choice_cost`: its batches per shape over the training
   lengths (`priced_lengths`) and `trained` trained labels, `epochs` times, and a compile per shape
   in `shapes`."""
-  per_shape, _ = choose_lib.batches_per_shape(batching["batching"], lengths, max_length=batching["max_length"],
+  per_shape, _ = plans_lib.batches_per_shape(batching["batching"], lengths, max_length=batching["max_length"],
                                               batch_size_for=batch_size_for, bucket_lengths=batching["bucket_lengths"],
                                               pad_to_multiple_of=batching["pad_to_multiple_of"])
   return cost_lib.plan_seconds(choice_cost, per_shape, shapes, epochs=epochs, trained_tokens=trained)

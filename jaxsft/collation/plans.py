@@ -23,8 +23,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from jaxsft.data.collate import bucket_index, choose_buckets, round_up
-from jaxsft.data.cost import PlanSeconds, StepCost, plan_seconds
+from jaxsft.collation.buckets import choose_buckets
+from jaxsft.collation.cost import PlanSeconds, StepCost, plan_seconds
+from jaxsft.data.collate import bucket_index, round_up
 from jaxsft.data.rows import WidthPacker
 
 MAX_PACKING_WIDTHS = 4

@@ -1,0 +1,92 @@
+"""The entry point of the collation decision: `plan` resolves the run's batching (buckets, packing
+widths or, with `batching: auto`, the mode) from its token lengths, probing the step's cost first
+where the choice needs seconds, and returns it with what the probes compiled (`Collation`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any
+
+import numpy as np
+
+from jaxsft import config as config_lib
+from jaxsft.collation import choice as choice_lib
+from jaxsft.collation import compiles as compiles_lib
+from jaxsft.collation import probe as probe_lib
+from jaxsft.data.collate import round_up
+
+
+@dataclasses.dataclass(frozen=True)
+class Collation:
+  """The plan and what deciding it compiled.
+
+  `batching`: make_batches' batching arguments, buckets resolved (`max_length` lowered to the
+  longest example where the shapes were chosen from the lengths); `choice`: what was chosen from
+  the lengths, under which cost (None where the config fixed it); `train_lengths`: the training
+  lengths plans are priced over (`choice.priced_lengths`); `probes`: what auto's probes compiled and
+  timed (None where nothing was probed); `calibration`: this machine's compile seconds for the run's
+  programs as found before the run, and the file it is kept in."""
+
+  batching: dict[str, Any]
+  choice: choice_lib.Choice | None
+  train_lengths: np.ndarray
+  probes: probe_lib.Probes | None = None
+  calibration: compiles_lib.Calibration = dataclasses.field(default_factory=compiles_lib.Calibration)
+  calibration_path: pathlib.Path | None = None
+
+
+def program_config(cfg: config_lib.TrainConfig) -> dict:
+  """The config that shapes the compiled programs (with the batch shape and keys): the model, its
+  dtype and quantization, the adapters, the optimizer, what trains and the mesh."""
+  return {"model": dataclasses.asdict(cfg.model), "lora": dataclasses.asdict(cfg.lora) if cfg.mode == "lora" else None,
+          "optim": dataclasses.asdict(cfg.optim), "mode": cfg.mode, "trainable": cfg.trainable,
+          "mesh": dataclasses.asdict(cfg.mesh)}
+
+
+def load_calibration(cfg: config_lib.TrainConfig) -> tuple[compiles_lib.Calibration, pathlib.Path]:
+  """(this machine's compile calibration for the run's programs, its file)."""
+  from jaxsft.models.hub import jaxsft_cache
+
+  path = compiles_lib.Calibration.path(jaxsft_cache(), compiles_lib.calibration_key(
+      compiles_lib.machine_description(), program_config(cfg)))
+  return compiles_lib.Calibration.load(path), path
+
+
+def base_batching(d: config_lib.DataConfig, batch_multiple_of: int) -> dict[str, Any]:
+  """make_batches' batching arguments as the config sets them (buckets not resolved yet)."""
+  return dict(max_length=d.max_length, batching=d.batching, bucket_lengths=list(d.bucket_lengths) if d.bucket_lengths else None,
+              num_buckets=d.num_buckets, batch_size=d.batch_size, tokens_per_batch=d.tokens_per_batch,
+              pad_to_multiple_of=d.pad_to_multiple_of, batch_multiple_of=batch_multiple_of, train_on=d.train_on)
+
+
+def plan(cfg: config_lib.TrainConfig, train_tokens, val_tokens, *, batch_multiple_of: int,
+         target: probe_lib.ProbeTarget | None = None, train_lengths: np.ndarray | None = None) -> Collation:
+  """The run's collation over its tokenized splits (`TokenizedRecords`).
+
+  Where the config leaves the shapes to the lengths (bucketed or bucketed packing without
+  `bucket_lengths`, or auto), one set of boundaries serves train and validation (the evaluation
+  reuses the train shapes) and the largest is the longest example, so no bucket is compiled that no
+  batch would use. With `batching: auto` or `num_buckets: auto` and a `target`, the probes compile
+  and time three shapes first and the choice is priced with their fit; otherwise with the default
+  cost. With a `target` (the trainer's plan), this machine's compile calibration is loaded too.
+  `train_lengths`: the lengths one training epoch reads, in its order, where the caller knows them
+  better than the configured batching's order of `train_tokens` (a `data.mix` epoch).
+  """
+  d = cfg.data
+  calibration, path = load_calibration(cfg) if target is not None else (compiles_lib.Calibration(), None)
+  batching = base_batching(d, batch_multiple_of)
+  if train_lengths is None:
+    train_lengths = choice_lib.priced_lengths(d.batching, train_tokens, seed=d.seed)
+  if d.batching not in choice_lib.CHOOSES_FROM_LENGTHS or d.bucket_lengths:
+    return Collation(batching, None, train_lengths, None, calibration, path)
+  lengths = np.concatenate([train_lengths, val_tokens.lengths])
+  batching["max_length"] = min(d.max_length, round_up(int(lengths.max()), d.pad_to_multiple_of))
+  probes = None
+  if target is not None and probe_lib.chosen_on_timings(d):
+    probes = probe_lib.probe(cfg, target, batching["max_length"], calibration)
+  choice = choice_lib.choose(cfg, lengths, num_train=len(train_lengths), max_length=batching["max_length"],
+                             batch_size_for=choice_lib.batch_size_rule(d, batch_multiple_of),
+                             cost=probes.cost if probes else None)
+  batching.update(choice.batching)
+  return Collation(batching, choice, train_lengths, probes, calibration, path)
