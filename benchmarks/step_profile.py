@@ -118,7 +118,7 @@ def markdown(result: dict, command: str, top: int) -> str:
 def main(argv=None) -> None:
   from jaxsft import host_memory
 
-  host_memory.keep_freed_memory()  # the step's memory as `python -m jaxsft.train` sets it
+  host_memory.reexec_with_huge_pages()  # the step's memory as the `jaxsft` command line sets it
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--model", default="smollm2-135m", help="a random-weight model name (benchmarks.common)")
   parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))

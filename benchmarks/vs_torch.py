@@ -219,8 +219,6 @@ def _peft_config(meta: dict):
 
 def jax_worker(workdir, meta, shape, steps, dtype, device) -> dict:
   from jaxsft import host_memory
-
-  host_memory.keep_freed_memory()  # as `python -m jaxsft.train` does, before JAX's client starts
   import jax
 
   t0 = time.perf_counter()
@@ -505,6 +503,10 @@ def profile_worker(kind, workdir, meta, shape, dtype, device, threads) -> dict:
 
 
 def worker_main(args) -> int:
+  if args.worker.startswith("jaxsft"):
+    from jaxsft import host_memory
+
+    host_memory.reexec_with_huge_pages()  # as the `jaxsft` command line starts itself
   if args.threads < (os.cpu_count() or 1) and hasattr(os, "sched_setaffinity"):
     # Before JAX or torch start their thread pools: XLA sizes its pool by this mask.
     os.sched_setaffinity(0, set(range(args.threads)))
@@ -692,8 +694,8 @@ def markdown(result: dict, command: str) -> str:
     lines += [f"jaxsft's products: {'; '.join(sorted(paths))} (`jaxsft.matmul.cpu_matmul_path`).", ""]
   mallocs = {per["jaxsft"].get("host_malloc") for per in result["summary"].values()} - {None}
   if mallocs:
-    lines += [f"jaxsft's host memory: {'; '.join(sorted(mallocs))} (`jaxsft.host_memory`, as `python -m jaxsft.train` "
-              "sets it); the PyTorch workers keep the system's allocator.", ""]
+    lines += [f"jaxsft's host memory: {'; '.join(sorted(mallocs))} (`jaxsft.host_memory`, as the `jaxsft` "
+              "command line sets it); the PyTorch workers keep the system's settings.", ""]
   adapters = {fw: per[fw]["adapter_dtypes"] for per in result["summary"].values() for fw in PEERS
               if per.get(fw, {}).get("adapter_dtypes")}
   if adapters:

@@ -75,6 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def console(command: str | None = None) -> NoReturn:
   """The `jaxsft` console script (pyproject.toml's [project.scripts]); with `command`, that
   command's own (`python -m jaxsft.train`): runs it and ends the process as the command ends it."""
+  from jaxsft import host_memory
+
+  host_memory.reexec_with_huge_pages()  # a step's scratch memory in 2 MiB pages, from the start
   argv = sys.argv[1:] if command is None else [command, *sys.argv[1:]]
   code = main(argv)
   module = command_module(argv[0])  # main returned: argv[0] is a command

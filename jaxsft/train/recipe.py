@@ -92,9 +92,8 @@ def train_and_finish(run: Run, state: RunState, iterator, stop: StopSignals | No
 
 
 def main(argv: list[str] | None = None) -> int:
-  from jaxsft import host_memory, quiet
+  from jaxsft import quiet
 
-  host_memory.keep_freed_memory()  # before JAX starts its CPU client's threads
   quiet.silence_library_noise()
   quiet_orbax_failure_logs()
   log_to_stderr()
