@@ -34,7 +34,7 @@ def mixed(sources, weights):
 def batches_of(sources, weights, *, batching="bucketed", seed=0, num_epochs=2, stats=None):
   records, tokens, mix = mixed(sources, weights)
   return batches_lib.make_batches(records, None, max_length=MAX_LENGTH, batching=batching, batch_size=4, seed=seed,
-                           num_epochs=num_epochs, tokenized=tokens, mix=mix, stats=stats)
+                                  num_epochs=num_epochs, tokenized=tokens, mix=mix, stats=stats)
 
 
 def same_batches(a, b) -> bool:
