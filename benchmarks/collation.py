@@ -5,7 +5,7 @@
 On each shared data file (`alpaca_en_demo.json`, `chat_multiturn_demo.json`,
 `oasst_top_paths.jsonl`) and on jaxsft's built-in task set, a fixed subset of `--examples`
 records (the first ones of a seeded permutation) goes through jaxsft's real pipeline
-(`jaxsft.data.make_batches`, SmolLM2-135M-Instruct's tokenizer, max_length 1024, batch size 8)
+(`jaxsft.collation.make_batches`, SmolLM2-135M-Instruct's tokenizer, max_length 1024, batch size 8)
 once per collation mode:
 
   static            T = max_length
@@ -109,7 +109,8 @@ def count_mode(records, tokenizer, mode: str, *, max_length: int, batch_size: in
                auto: dict | None = None):
   """One epoch of the real pipeline (from `tokenized`, a `TokenizedRecords`, when given):
   (summary, list of (shape, packed) per batch)."""
-  from jaxsft.data import PipelineStats, batch_shapes, make_batches
+  from jaxsft.collation.batches import batch_shapes, make_batches
+  from jaxsft.data import PipelineStats
 
   config = dict(mode_config(mode, max_length=max_length, batch_size=batch_size, auto=auto), tokenized=tokenized)
   stats = PipelineStats()
@@ -226,7 +227,7 @@ def measure(model, cfg, records, tokenizer, mode: str, *, max_length: int, batch
   """A real run of one epoch, as the trainer does it: pipeline, AOT compile of every shape the
   epoch emits (all listed shapes but for dynamic, whose 128 listed widths would all be compiled
   by jaxsft's trainer; here only the widths that occur), then every batch."""
-  from jaxsft.data import batch_shapes, make_batches
+  from jaxsft.collation.batches import batch_shapes, make_batches
 
   config = dict(mode_config(mode, max_length=max_length, batch_size=batch_size, auto=auto), tokenized=tokenized)
   start = time.perf_counter()

@@ -117,7 +117,7 @@ def main():
   args = parser.parse_args()
 
   from jaxsft.data import load_records
-  from jaxsft.data.stats import compare_batching
+  from jaxsft.collation.compare import compare_batching
   from jaxsft.models.hub import load_tokenizer
 
   tokenizer = load_tokenizer("smollm2-135m-instruct")

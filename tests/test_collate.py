@@ -188,8 +188,7 @@ def test_width_packer_places_every_item_once_in_rows_that_hold_it(lengths, width
   and the cost model's counts are the batches the packer emits."""
   import collections
 
-  from jaxsft.collation.plans import packed_batches_per_shape
-  from jaxsft.data.rows import WidthPacker
+  from jaxsft.data.rows import WidthPacker, packed_batches_per_shape
 
   packer = WidthPacker(widths, [batch_size] * len(widths))
   during = [b for i, n in enumerate(lengths) for b in packer.add(n, i)]

@@ -10,6 +10,7 @@ import pytest
 from jaxsft import config as config_lib
 from jaxsft import config_args
 from jaxsft import data
+from jaxsft.collation import batches as batches_lib
 from jaxsft.data import mix as mix_lib
 from jaxsft.data import synthetic
 from jaxsft.labels import IGNORE_INDEX
@@ -32,8 +33,8 @@ def mixed(sources, weights):
 
 def batches_of(sources, weights, *, batching="bucketed", seed=0, num_epochs=2, stats=None):
   records, tokens, mix = mixed(sources, weights)
-  return data.make_batches(records, None, max_length=MAX_LENGTH, batching=batching, batch_size=4, seed=seed,
-                           num_epochs=num_epochs, tokenized=tokens, mix=mix, stats=stats)
+  return batches_lib.make_batches(records, None, max_length=MAX_LENGTH, batching=batching, batch_size=4, seed=seed,
+                                  num_epochs=num_epochs, tokenized=tokens, mix=mix, stats=stats)
 
 
 def same_batches(a, b) -> bool:
@@ -85,7 +86,7 @@ def test_the_pipeline_draws_by_weight_and_counts_each_source(sources):
   assert sum(stats.source_examples) == stats.examples
   assert sum(stats.source_trained_tokens) == stats.label_tokens == sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in out)
   assert [int(b["epoch"]) for b in out] == sorted(int(b["epoch"]) for b in out)
-  assert data.count_batches(tokens, max_length=MAX_LENGTH, batching="bucketed", batch_size=4, mix=mix) == sum(
+  assert batches_lib.count_batches(tokens, max_length=MAX_LENGTH, batching="bucketed", batch_size=4, mix=mix) == sum(
       int(b["epoch"]) == 0 for b in out)
 
 

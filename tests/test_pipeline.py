@@ -1,13 +1,15 @@
 """make_batches / batch_shapes / count_batches: shapes, epochs, drops, packing, determinism, exact
-resume, batch counts, and one TokenizedRecords serving every call."""
+resume, batch counts, and one TokenizedRecords serving every call. Through `jaxsft.collation`'s
+entry points, which are jaxsft.data's with the buckets chosen where none are given."""
 
 import json
 
 import numpy as np
 import pytest
 
-from jaxsft.data import (IGNORE_INDEX, DataError, PipelineStats, batch_shapes, count_batches, load_records,
-                         make_batches, tokenize_records)
+from jaxsft import data
+from jaxsft.collation.batches import batch_shapes, count_batches, make_batches
+from jaxsft.data import IGNORE_INDEX, DataError, PipelineStats, load_records, tokenize_records
 
 MAX_LENGTH = 256
 
@@ -214,6 +216,20 @@ def test_bad_configs(records, tokenizer):
     make_batches(records, tokenizer, max_length=64, batch_size=6, batch_multiple_of=4)
   with pytest.raises(ValueError, match="largest bucket"):
     make_batches(records, tokenizer, max_length=64, bucket_lengths=[16, 32])
+
+
+def test_the_data_layer_chooses_no_buckets(records, tokenizer, tokens):
+  """jaxsft.data batches to the boundaries it is given: without them (or a chooser) the bucketed
+  modes are refused before anything is tokenized; the collation's entry points choose them."""
+  for batching in ("bucketed", "bucketed_packed"):
+    match = f"{batching} batching needs bucket_lengths, or choose_shapes"
+    with pytest.raises(ValueError, match=match):
+      data.make_batches(records, tokenizer, max_length=MAX_LENGTH, batching=batching)
+    with pytest.raises(ValueError, match=match):
+      data.batch_shapes(tokenized=tokens, max_length=MAX_LENGTH, batching=batching)
+    with pytest.raises(ValueError, match=match):
+      data.count_batches(tokens, max_length=MAX_LENGTH, batching=batching)
+    assert batch_shapes(tokenized=tokens, max_length=MAX_LENGTH, batching=batching, num_buckets=3)  # chosen here
 
 
 COUNT_CASES = [("bucketed", {}), ("bucketed", {"bucket_lengths": [64, 128, 192, 256]}), ("dynamic", {}),

@@ -242,7 +242,8 @@ def test_build_memory_is_bounded(tokenizer, tmp_path):
 def test_pipeline_over_the_store_matches_the_in_memory_one(tokenizer, chat_file, tmp_path, batching):
   """Batches, shapes and counts from a store are those of the in-memory tokenization, and the
   store's counts read no example (lengths only)."""
-  from jaxsft.data import batch_shapes, count_batches, make_batches, tokenize_records
+  from jaxsft.collation.batches import batch_shapes, count_batches, make_batches
+  from jaxsft.data import tokenize_records
 
   records = load_records(chat_file)
   store = open_or_build(chat_file, tokenizer, max_length=256, cache_dir=tmp_path).store
@@ -269,7 +270,7 @@ def test_pipeline_over_the_store_matches_the_in_memory_one(tokenizer, chat_file,
 def test_resume_over_the_store_past_an_epoch(tokenizer, chat_file, tmp_path, batching):
   """The trainer's max_steps pipeline (num_epochs=None) over a store: a state saved in the second
   epoch restores to the same following batches."""
-  from jaxsft.data import make_batches
+  from jaxsft.collation.batches import make_batches
 
   store = open_or_build(chat_file, tokenizer, max_length=256, cache_dir=tmp_path).store
   ds = make_batches(store.records(), tokenizer, tokenized=store.tokenized(), max_length=256, batching=batching,

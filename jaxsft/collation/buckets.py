@@ -1,6 +1,6 @@
 """Choosing bucket boundaries: the exact dynamic program over the token lengths, minimizing the
 padded tokens of a bucket plan or, under a `StepCost`, its predicted seconds. Pure numpy (no jax):
-the pipeline chooses buckets with it when it is given none."""
+`batches.choose_shapes` chooses the pipeline's buckets with it where it is given none."""
 
 from __future__ import annotations
 

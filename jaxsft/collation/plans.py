@@ -26,27 +26,11 @@ import numpy as np
 from jaxsft.collation.buckets import choose_buckets
 from jaxsft.collation.cost import PlanSeconds, StepCost, plan_seconds
 from jaxsft.data.collate import bucket_index, round_up
-from jaxsft.data.rows import WidthPacker
+from jaxsft.data.rows import packed_batches_per_shape  # what the packer makes, counted
 
 MAX_PACKING_WIDTHS = 4
 MAX_EXTRA_WASTE_POINTS = 2.0
 """How many points of padding bucketed packing's widths may add to packing's (`choose_packing_widths`)."""
-
-
-def packed_batches_per_shape(lengths: Sequence[int], widths: Sequence[int],
-                             batch_size_for: Callable[[int], int]) -> dict[tuple[int, int], int]:
-  """Batches per (B_k, W_k) that bucketed packing emits for examples of `lengths`, in that order:
-  the batches `rows.WidthPacker` completes, then its flush at the epoch's end."""
-  widths = sorted(int(w) for w in widths)
-  sizes = [batch_size_for(w) for w in widths]
-  packer = WidthPacker(widths, sizes)
-  counts = [0] * len(widths)
-  for length in np.asarray(lengths).tolist():
-    for k, _ in packer.add(length, None):
-      counts[k] += 1
-  for k, _ in packer.flush():
-    counts[k] += 1
-  return {(b, w): n for b, w, n in zip(sizes, widths, counts) if n}
 
 
 def first_fit_batches(lengths: Sequence[int], width: int, batch_size: int) -> int:

@@ -6,8 +6,10 @@ rendering, the trained reply spans), tokenize.py (records -> token ids and label
 (length-grouped batching, bucketed packing), packing.py (packed modes; rows.py the rows of bucketed packing),
 pipeline.py (the Grain chain and its entry points; pipeline_stats.py its counters), mix.py (several
 sources drawn by weight: `data.mix`), store.py
-(a file tokenized once into a memory-mapped token store), stats.py (`python -m jaxsft.data stats`).
-Which buckets, widths or mode a plan uses, and what it costs, is `jaxsft.collation`.
+(a file tokenized once into a memory-mapped token store), stats.py (token length statistics).
+Which buckets, widths or mode a plan uses, and what it costs, is `jaxsft.collation`, the layer above:
+nothing here imports it. Bucketed batching takes its boundaries as `bucket_lengths` (or a
+`choose_shapes` that chooses them); `jaxsft.collation.make_batches` chooses them from the lengths.
 """
 
 from jaxsft.config_checks import BATCHING

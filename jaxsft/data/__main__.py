@@ -132,7 +132,9 @@ def _cost(run_dir: str | None):
 
 
 def _stats(args, tokenizer, records, tokenized, skipped: int) -> int:
-  from jaxsft.data.stats import compare_batching, format_comparison, length_summary, predict_seconds, text_histogram
+  # The command, not the data library, reaches up to the collation package for the plans and their seconds.
+  from jaxsft.collation.compare import compare_batching, format_comparison, predict_seconds
+  from jaxsft.data.stats import length_summary, text_histogram
 
   summary = length_summary(tokenized)
   print(f"{args.data}: {len(records)} records ({skipped} skipped), tokenizer {args.model}")

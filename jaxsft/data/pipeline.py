@@ -21,6 +21,11 @@ the map tokenizes each record as it is read, every epoch (in the workers when `w
 except bucketed batching without `bucket_lengths`, which tokenizes every record once up front to
 choose the buckets and batches from that.
 
+Bucket boundaries and packing widths: `bucket_lengths`, or, without them, `choose_shapes` chooses
+them from the token lengths. Which shapes a run batches to is `jaxsft.collation`'s decision, above
+this layer: its `make_batches`, `batch_shapes` and `count_batches` are these with its chooser
+(the bucket DP, the packing widths the cost model prices cheapest).
+
 Batch sizes: `batch_size` rows per batch, or with `tokens_per_batch` B_k = tokens_per_batch // T_k
 rounded down to a multiple of `batch_multiple_of` (at least one multiple). Every batch also has
 `"epoch"` (0-d int32). `count_batches` gives the number of batches of one epoch from the lengths.
@@ -40,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import grain
 import numpy as np
@@ -52,6 +57,7 @@ from jaxsft.data.examples import TokenizedRecords
 from jaxsft.data.mix import Mix
 from jaxsft.data.packing import packed_batches
 from jaxsft.data.pipeline_stats import PipelineStats
+from jaxsft.data.rows import packed_batches_per_shape
 from jaxsft.data.tokenize import encode_with_length, record_error, tokenize_records
 
 
@@ -133,6 +139,13 @@ def _example_stream(step: _TokenizeStep, *, seed: int, shuffle: bool, num_epochs
 # ---------------------------------------------------------------------------------------------
 # Batching arguments to a BatchPlan.
 
+ShapeChooser = Callable[..., Sequence[int]]
+"""`choose_shapes(lengths, *, batching, num_buckets, multiple_of, max_length, batch_size_for)`: at most
+`num_buckets` bucket boundaries ("bucketed") or packing widths ("bucketed_packed") for the kept
+examples' token `lengths` (already cut to `max_length`), each a multiple of `multiple_of` or
+`max_length`, the largest the longest example's; `batch_size_for(T)` is the rows of a batch of width
+T. The caller's (`jaxsft.collation.batches.choose_shapes`): this layer chooses no shapes itself."""
+
 
 @dataclasses.dataclass(frozen=True)
 class _BatchingOptions:
@@ -148,6 +161,7 @@ class _BatchingOptions:
   pad_to_multiple_of: int
   batch_multiple_of: int
   shard_by_process: bool
+  choose_shapes: ShapeChooser | None = None
 
   def __post_init__(self):
     if self.batching not in BATCHING:
@@ -162,6 +176,9 @@ class _BatchingOptions:
     if self.bucketed and self.bucket_lengths is not None and max(self.bucket_lengths) < self.max_length:
       raise ValueError(f"the largest bucket ({max(self.bucket_lengths)}) must be >= max_length ({self.max_length}): "
                        "examples are truncated to max_length, not to the largest bucket")
+    if self.chooses_buckets and self.choose_shapes is None:
+      raise ValueError(f"{self.batching} batching needs bucket_lengths, or choose_shapes to choose them from the token "
+                       "lengths (jaxsft.collation's make_batches, batch_shapes and count_batches pass theirs)")
 
   @functools.cached_property
   def shard(self) -> tuple[int, int]:
@@ -198,20 +215,12 @@ class _BatchingOptions:
       return BatchPlan(None, (self.batch_size_for(self.max_length),), **common)
     if self.batching in ("static", "packed"):
       return BatchPlan((self.max_length,), (self.batch_size_for(self.max_length),), **common)
-    # The collation package imports the data layer (the packer it simulates): imported here, not above.
-    from jaxsft.collation.buckets import choose_buckets
-    from jaxsft.collation.cost import DEFAULT_COST
-    from jaxsft.collation.plans import choose_packing_widths
-
     if self.bucket_lengths is not None:
       buckets = sorted({int(b) for b in self.bucket_lengths})  # a repeated width is one bucket
-    elif self.batching == "bucketed_packed":
-      buckets = choose_packing_widths(np.minimum(lengths, self.max_length), self.num_buckets,
-                                      batch_size_for=self.batch_size_for, cost=DEFAULT_COST,
-                                      multiple_of=self.pad_to_multiple_of, max_length=self.max_length)
-    else:  # the fewest padded tokens, fill rows of each bucket's last batch counted
-      buckets = choose_buckets(np.minimum(lengths, self.max_length), self.num_buckets, multiple_of=self.pad_to_multiple_of,
-                               max_length=self.max_length, batch_size=self.batch_size_for)
+    else:
+      buckets = list(self.choose_shapes(np.minimum(lengths, self.max_length), batching=self.batching,
+                                        num_buckets=self.num_buckets, multiple_of=self.pad_to_multiple_of,
+                                        max_length=self.max_length, batch_size_for=self.batch_size_for))
     return BatchPlan(tuple(buckets), tuple(self.batch_size_for(b) for b in buckets), packed=self.batching == "bucketed_packed",
                      **common)
 
@@ -235,7 +244,7 @@ def make_batches(records: Sequence[dict], tokenizer, *, max_length: int, batchin
                  seed: int = 0, shuffle: bool = True, num_epochs: int | None = 1,
                  train_on: str = "all_assistant", worker_count: int = 0, shard_by_process: bool = False,
                  stats: PipelineStats | None = None, tokenized: TokenizedRecords | None = None,
-                 mix: Mix | None = None) -> grain.IterDataset:
+                 mix: Mix | None = None, choose_shapes: ShapeChooser | None = None) -> grain.IterDataset:
   """A Grain `IterDataset` of training batches from chat records (see the module docstring).
 
   Each batch is a dict of int32 numpy arrays `input_ids`, `attention_mask`, `labels` of shape
@@ -251,8 +260,9 @@ def make_batches(records: Sequence[dict], tokenizer, *, max_length: int, batchin
       pad_to_multiple_of), "bucketed" (T = the example's bucket), "packed" (first-fit packing into
       rows of max_length with segment ids and per-segment positions) or "bucketed_packed" (packed
       rows of a few widths, `rows.WidthPacker`).
-    bucket_lengths: bucket boundaries; None chooses `num_buckets` of them with `collation.buckets.choose_buckets` over
-      the token lengths (of `tokenized`, else of every record tokenized once here).
+    bucket_lengths: bucket boundaries (bucketed packing: the row widths); None has `choose_shapes` choose
+      `num_buckets` of them over the token lengths (of `tokenized`, else of every record tokenized
+      once here).
     batch_size / tokens_per_batch: rows per batch, or a token budget B_k = tokens_per_batch // T_k.
     batch_multiple_of: every batch size is a multiple of it (the data-parallel degree).
     seed, shuffle, num_epochs: epoch e is shuffled with a seed derived from (seed, e); None repeats
@@ -267,13 +277,16 @@ def make_batches(records: Sequence[dict], tokenizer, *, max_length: int, batchin
     mix: several sources laid end to end in `records` (`mix.Mix`): each epoch draws them by weight
       (`Mix.indices`) instead of shuffling the records as one; every example carries its `source`
       and `stats` counts each source's examples and trained tokens.
+    choose_shapes: chooses the buckets or widths where `bucket_lengths` is None (`ShapeChooser`;
+      `jaxsft.collation.make_batches` passes the collation's); without either, bucketed modes are a
+      ValueError.
   """
   if not len(records):
     raise ValueError("make_batches needs at least one record")
   if mix is not None and mix.num_records != len(records):
     raise ValueError(f"the mix's sources hold {mix.num_records} records but {len(records)} records were passed")
   options = _BatchingOptions(max_length, batching, bucket_lengths, num_buckets, batch_size, tokens_per_batch,
-                             pad_to_multiple_of, batch_multiple_of, shard_by_process)
+                             pad_to_multiple_of, batch_multiple_of, shard_by_process, choose_shapes)
   if tokenized is not None:
     tokenized.check_matches(num_records=len(records), max_length=max_length, train_on=train_on)
   elif options.chooses_buckets:  # the bucket choice needs every length: tokenize once, batch from that too
@@ -297,19 +310,19 @@ def batch_shapes(records: Sequence[dict] | None = None, tokenizer=None, *, lengt
                  num_buckets: int = 8, batch_size: int = 8, tokens_per_batch: int | None = None,
                  pad_to_multiple_of: int = 8, batch_multiple_of: int = 1, train_on: str = "all_assistant",
                  shard_by_process: bool = False, tokenized: TokenizedRecords | None = None,
-                 **_ignored) -> list[tuple[int, int]]:
+                 choose_shapes: ShapeChooser | None = None, **_ignored) -> list[tuple[int, int]]:
   """Every global (B, T) `make_batches` with the same arguments can emit, sorted.
 
   Accepts (and ignores) make_batches' other arguments (seed, shuffle, num_epochs, worker_count,
   stats), so a trainer can pass one config dict to both. Bucketed without `bucket_lengths` needs
-  the token lengths: `lengths`, `tokenized`, or `records` + `tokenizer` (tokenized here, and again
-  by `make_batches` unless you pass both one `tokenized`). Dynamic: a batch is as wide as its
+  `choose_shapes` and the token lengths: `lengths`, `tokenized`, or `records` + `tokenizer`
+  (tokenized here, and again by `make_batches` unless you pass both one `tokenized`). Dynamic: a batch is as wide as its
   longest example rounded up, so with the lengths (`lengths` or `tokenized`) the widths are
   {min(round_up(L, pad_to_multiple_of), max_length)} over the examples' lengths L; without them,
   every multiple of pad_to_multiple_of up to max_length (and max_length).
   """
   options = _BatchingOptions(max_length, batching, bucket_lengths, num_buckets, batch_size, tokens_per_batch,
-                             pad_to_multiple_of, batch_multiple_of, shard_by_process)
+                             pad_to_multiple_of, batch_multiple_of, shard_by_process, choose_shapes)
   if tokenized is not None:
     tokenized.check_matches(num_records=None if records is None else len(records), max_length=max_length,
                             train_on=train_on)
@@ -353,7 +366,8 @@ def count_batches(tokenized: TokenizedRecords, *, max_length: int, batching: str
                   bucket_lengths: Sequence[int] | None = None, num_buckets: int = 8, batch_size: int = 8,
                   tokens_per_batch: int | None = None, pad_to_multiple_of: int = 8, batch_multiple_of: int = 1,
                   seed: int = 0, shuffle: bool = True, train_on: str = "all_assistant",
-                  shard_by_process: bool = False, mix: Mix | None = None, **_ignored) -> int:
+                  shard_by_process: bool = False, mix: Mix | None = None, choose_shapes: ShapeChooser | None = None,
+                  **_ignored) -> int:
   """The number of global batches one epoch of `make_batches` with the same arguments yields.
 
   Accepts (and ignores) make_batches' other arguments, like `batch_shapes`. Bucketed, static and
@@ -365,7 +379,7 @@ def count_batches(tokenized: TokenizedRecords, *, max_length: int, batching: str
   exhausted, so their count may differ by a few batches (as a packed epoch's may).
   """
   options = _BatchingOptions(max_length, batching, bucket_lengths, num_buckets, batch_size, tokens_per_batch,
-                             pad_to_multiple_of, batch_multiple_of, shard_by_process)
+                             pad_to_multiple_of, batch_multiple_of, shard_by_process, choose_shapes)
   tokenized.check_matches(num_records=None, max_length=max_length, train_on=train_on)
   lengths = tokenized.lengths
   plan = options.plan(lengths=lengths, epoch_size=mix.epoch_size if mix else len(tokenized), pad_token_id=0)
@@ -375,8 +389,6 @@ def count_batches(tokenized: TokenizedRecords, *, max_length: int, batching: str
     stream = _example_stream(step, seed=seed, shuffle=shuffle, num_epochs=1, worker_count=0, unchunk=False)
     return sum(1 for _ in packed_batches(stream, plan, seed=seed, stats=None, rows_to_batch=len))
   if batching == "bucketed_packed":  # in the epoch's order, as the batcher packs
-    from jaxsft.collation.plans import packed_batches_per_shape
-
     return sum(packed_batches_per_shape(epoch_lengths(tokenized, seed=seed, shuffle=shuffle, mix=mix), plan.bucket_lengths,
                                         dict(zip(plan.bucket_lengths, plan.batch_sizes)).__getitem__).values())
   if mix is not None:  # the examples of the mix's first epoch

@@ -1,14 +1,15 @@
 """Rows of a few widths for bucketed packing: `WidthPacker` decides which examples share a row and
-when a width's batch is complete, `packed_batch` builds one batch's arrays. Shared by the bucket
-batcher (bucketing.py) and the cost model's batch counts (`jaxsft.collation.plans`), so what is priced is what the
-pipeline emits.
+when a width's batch is complete, `packed_batch` builds one batch's arrays, `packed_batches_per_shape`
+counts the batches it makes. Shared by the bucket batcher (bucketing.py) and the batch counts (the
+pipeline's `count_batches` and the cost model's, `jaxsft.collation.plans`), so what is counted and
+priced is what the pipeline emits.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -132,6 +133,22 @@ class WidthPacker:
 
   def empty(self) -> bool:
     return not self._by_room
+
+
+def packed_batches_per_shape(lengths: Sequence[int], widths: Sequence[int],
+                             batch_size_for: Callable[[int], int]) -> dict[tuple[int, int], int]:
+  """Batches per (B_k, W_k) that bucketed packing emits for examples of `lengths`, in that order:
+  the batches `WidthPacker` completes, then its flush at the epoch's end."""
+  widths = sorted(int(w) for w in widths)
+  sizes = [batch_size_for(w) for w in widths]
+  packer = WidthPacker(widths, sizes)
+  counts = [0] * len(widths)
+  for length in np.asarray(lengths).tolist():
+    for k, _ in packer.add(length, None):
+      counts[k] += 1
+  for k, _ in packer.flush():
+    counts[k] += 1
+  return {(b, w): n for b, w, n in zip(sizes, widths, counts) if n}
 
 
 def packed_batch(rows: Sequence[Sequence[dict]], *, batch_size: int, width: int, pad_token_id: int) -> dict:
