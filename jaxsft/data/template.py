@@ -59,7 +59,10 @@ template text after a reply). A conversation is then rendered once, and the fast
 only if that text equals the sentinel skeleton with the contents put back (the template treats the
 contents as opaque text); the positions are then mapped from sentinel to real coordinates (the
 marker of a turn that is not the last is cut against the real text that follows it). Otherwise (a
-template that trims, escapes or branches on content) the record takes the reference path.
+template that trims, escapes or branches on content) the record takes the reference path. Where
+the template's source proves it content-opaque (template_opacity.py: contents only written out,
+truth-tested or type-tested), a conversation is not rendered at all: its text is the skeleton with
+the contents put back, which is what the render would give.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ from typing import Callable
 
 from jaxsft.config_checks import TRAIN_ON  # the config's list of choices (data.train_on)
 from jaxsft.data.records import DataError
+from jaxsft.data.template_opacity import contents_opaque
 from jaxsft.errors import one_line
 
 PLAIN_CHAT_TEMPLATE = (
@@ -337,7 +341,7 @@ class SpanRenderer:
     self.bos = bos_prefix(tokenizer)
     self.plans: dict[tuple, _ShapePlan | None] = {}
     self.fallbacks = 0  # records that took the reference path (`render_with_spans`)
-    self._direct = _direct_renderer(tokenizer)
+    self._direct, self.opaque = _direct_renderer(tokenizer)
 
   def __call__(self, record: dict) -> tuple[str, Spans]:
     messages = record["messages"]
@@ -346,14 +350,16 @@ class SpanRenderer:
     if plan is False:
       plan = self.plans[shape] = self._plan(shape)
     if plan is not None:
-      try:
-        full = plan.render(messages)
-      except Exception:  # the template rejects this record: the reference path raises it as a ValueError
-        full = None
       contents = [messages[i]["content"] for i in plan.content_order]
       pieces = [plan.skeleton[0]]
       for content, piece in zip(contents, plan.skeleton[1:]):
         pieces += (content, piece)
+      if self.opaque and all(isinstance(c, str) for c in contents):  # the render would be this text
+        return self._spans("".join(pieces), messages, plan, contents)
+      try:
+        full = plan.render(messages)
+      except Exception:  # the template rejects this record: the reference path raises it as a ValueError
+        full = None
       if full == "".join(pieces):
         return self._spans(full, messages, plan, contents)
     self.fallbacks += 1
@@ -432,22 +438,25 @@ def _contents_before(ends: list[tuple[int, int]], p: int) -> int | None:
   return k
 
 
-def _direct_renderer(tokenizer) -> Callable[[list], str] | None:
-  """The compiled chat template called directly, without `apply_chat_template`'s per-call
-  preparation (half the render time for short records); None where transformers does not expose
-  its compiled template. Used for a conversation shape only after it rendered that shape's
-  sentinel conversation exactly as `apply_chat_template` does."""
+def _direct_renderer(tokenizer) -> tuple[Callable[[list], str] | None, bool]:
+  """(the compiled chat template called directly, without `apply_chat_template`'s per-call
+  preparation (half the render time for short records), whether the template is proved
+  content-opaque (`template_opacity`)); (None, False) where transformers does not expose its
+  compiled template. The renderer is used for a conversation shape only after it rendered that
+  shape's sentinel conversation exactly as `apply_chat_template` does."""
   try:
     from transformers.utils.chat_template_utils import _compile_jinja_template
   except ImportError:
-    return None
+    return None, False
   template = getattr(tokenizer, "chat_template", None)
+  if not isinstance(template, (str, type(None))):
+    return None, False
+  source = template if template else PLAIN_CHAT_TEMPLATE
   try:
-    compiled = _compile_jinja_template(template if template else PLAIN_CHAT_TEMPLATE)
+    compiled = _compile_jinja_template(source)
     variables = dict(tokenizer.special_tokens_map)
   except Exception:  # a template only apply_chat_template can handle
-    return None
-  if not isinstance(template, (str, type(None))):
-    return None
-  return lambda messages: compiled.render(messages=messages, tools=None, documents=None, add_generation_prompt=False,
-                                          **variables)
+    return None, False
+  render = lambda messages: compiled.render(messages=messages, tools=None, documents=None, add_generation_prompt=False,
+                                            **variables)
+  return render, contents_opaque(source, compiled.environment)
