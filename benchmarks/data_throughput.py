@@ -1,17 +1,14 @@
 """Data pipeline benchmark: tokenize+batch throughput, and padded tokens per batching mode.
 
-    .venv/bin/python benchmarks/data_throughput.py [--workers 2] [--examples 4000] [--store-examples 20000]
+    .venv/bin/python benchmarks/data_throughput.py [--workers 2] [--examples 4000]
 
-Writes benchmarks/results/data_throughput.{json,md}. First, in one run and interleaved (best of
-`--reps`): raw file -> token store (`open_or_build` into an empty cache: read, normalize, render,
-encode, label, write) against the bare `encode_batch` on the same records' rendered texts (the
-tokenizer's own limit; rendering not timed), on `--store-examples` records (the shared file
-repeated, as JSONL). Then throughput counts examples that come out
+Writes benchmarks/results/data_throughput.{json,md}. Throughput counts examples that come out
 of `make_batches` (tokenization inside the pipeline, explicit bucket boundaries, so nothing is
 tokenized up front) per second of wall time, worker start-up included and excluded; plus the
 up-front batched tokenization the default bucketed mode does (`tokenize_records`). The padding
 comparison runs one epoch of the real pipeline per mode at max_length 1024, K = 8 buckets,
-batch size 8, on the three shared files.
+batch size 8, on the three shared files. Building the token store against the bare tokenizer:
+benchmarks/store_build.py.
 """
 
 from __future__ import annotations
@@ -65,43 +62,6 @@ def upfront_rate(records, tokenizer, *, max_length=1024):
           "tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM", "unset")}
 
 
-def store_vs_encode_batch(name, tokenizer, *, examples: int, reps: int, max_length: int = 1024) -> dict:
-  """Examples/s of raw file -> store and of bare `encode_batch` on the rendered texts, interleaved."""
-  import shutil
-  import tempfile
-
-  from jaxsft.data import load_records, open_or_build, tokenize_records
-  from jaxsft.data.template import SpanRenderer
-
-  records = load_records(SHARED / name)
-  records = (records * -(-examples // len(records)))[:examples]
-  work = pathlib.Path(tempfile.mkdtemp(prefix="jaxsft-throughput-"))
-  try:
-    data = work / "data.jsonl"
-    data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-    renderer = SpanRenderer(tokenizer)
-    texts = [renderer(r)[0] for r in records]
-    backend = tokenizer.backend_tokenizer
-    best = {"encode_batch": 0.0, "store_build": 0.0, "tokenize_records": 0.0}
-    for rep in range(reps):
-      start = time.perf_counter()
-      for lo in range(0, len(texts), 512):
-        backend.encode_batch(texts[lo:lo + 512], add_special_tokens=False)
-      best["encode_batch"] = max(best["encode_batch"], len(texts) / (time.perf_counter() - start))
-      start = time.perf_counter()
-      open_or_build(data, tokenizer, max_length=max_length, cache_dir=work / f"cache{rep}")
-      best["store_build"] = max(best["store_build"], len(texts) / (time.perf_counter() - start))
-      start = time.perf_counter()
-      tokenize_records(tokenizer, records, max_length=max_length)
-      best["tokenize_records"] = max(best["tokenize_records"], len(texts) / (time.perf_counter() - start))
-  finally:
-    shutil.rmtree(work, ignore_errors=True)
-  return {"examples": len(records), "reps": reps, "examples_per_s": best,
-          "store_over_encode_batch": best["store_build"] / best["encode_batch"],
-          "tokenize_records_over_encode_batch": best["tokenize_records"] / best["encode_batch"],
-          "render_fallbacks": renderer.fallbacks, "tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM", "unset")}
-
-
 def main():
   if "--markdown-only" in __import__("sys").argv:  # rewrite the .md from the saved .json
     result = json.loads((RESULTS / "data_throughput.json").read_text())
@@ -112,8 +72,6 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--workers", type=int, default=2)
   parser.add_argument("--examples", type=int, default=4000, help="examples per throughput run")
-  parser.add_argument("--store-examples", type=int, default=20000, help="records per store-vs-encode_batch run")
-  parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions of store vs encode_batch")
   args = parser.parse_args()
 
   from jaxsft.data import load_records
@@ -123,10 +81,7 @@ def main():
   tokenizer = load_tokenizer("smollm2-135m-instruct")
   result = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                         "load_average_at_start": os.getloadavg()}, "throughput": {},
-            "padding": {}, "store": {}}
-  for name in ("alpaca_en_demo.json", "chat_multiturn_demo.json"):
-    result["store"][name] = store_vs_encode_batch(name, tokenizer, examples=args.store_examples, reps=args.reps)
-    print(name, json.dumps(result["store"][name], indent=1))
+            "padding": {}}
   for name in ("alpaca_en_demo.json", "chat_multiturn_demo.json"):
     records = load_records(SHARED / name)
     runs = {"upfront_tokenize_records": upfront_rate(records, tokenizer),
@@ -158,14 +113,15 @@ def markdown(result, workers):
            f"`.venv/bin/python benchmarks/data_throughput.py --workers {workers}` on {result['machine']['cpus']} CPU "
            "cores (SmolLM2-135M-Instruct tokenizer, max_length 1024); 1-minute load average at start "
            f"{result['machine']['load_average_at_start'][0]:.1f} (it includes the decaying load of whatever ran "
-           "just before; a figure is a result only on an otherwise quiet machine).", "",
-           "## Raw file -> token store vs the tokenizer alone (examples/s, best of interleaved runs)", "",
-           "| file | records | bare `encode_batch` | file -> store | in-memory `tokenize_records` | store / encode_batch |",
-           "| --- | ---: | ---: | ---: | ---: | ---: |"]
-  for name, r in result.get("store", {}).items():
-    e = r["examples_per_s"]
-    lines.append(f"| `{name}` | {r['examples']:,} | {e['encode_batch']:,.0f} | {e['store_build']:,.0f} | "
-                 f"{e['tokenize_records']:,.0f} | {r['store_over_encode_batch']:.2f} |")
+           "just before; a figure is a result only on an otherwise quiet machine)."]
+  if result.get("store"):  # results from before the store's own benchmark (benchmarks/store_build.py)
+    lines += ["", "## Raw file -> token store vs the tokenizer alone (examples/s, best of interleaved runs)", "",
+              "| file | records | bare `encode_batch` | file -> store | in-memory `tokenize_records` | store / encode_batch |",
+              "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for name, r in result["store"].items():
+      e = r["examples_per_s"]
+      lines.append(f"| `{name}` | {r['examples']:,} | {e['encode_batch']:,.0f} | {e['store_build']:,.0f} | "
+                   f"{e['tokenize_records']:,.0f} | {r['store_over_encode_batch']:.2f} |")
   lines += ["", "## Tokenize + batch throughput (examples/s)", "",
            "| file | up-front `tokenize_records` | pipeline, 0 workers | "
            f"pipeline, {workers} workers (total) | pipeline, {workers} workers (after first batch) |",
