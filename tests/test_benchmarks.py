@@ -4,6 +4,7 @@ Small settings (a few records, short widths, a couple of steps); the figures the
 from `python -m benchmarks.collation` and `python -m benchmarks.vs_torch`.
 """
 
+import argparse
 import dataclasses
 import json
 import pathlib
@@ -53,9 +54,13 @@ def test_collation_study_counts_composes_and_validates(tmp_path, no_compile_cach
   assert all(s["predicted"]["end_to_end_s"] > 0 for s in modes.values())
   assert modes["bucketed_packed"]["distinct_shapes"] and all(t <= 128 for _, t in modes["bucketed_packed"]["distinct_shapes"])
   assert validation["predicted_end_to_end_s"] > 0
+  assert validation["predicted_compile_s"] > 0 and validation["predicted_step_s"] > 0
   text = collation.markdown(result, "test")
   assert "| bucketed K=2 |" in text and "| oasst_top_paths.jsonl | static |" in text and "Composed against measured" in text
   assert "| auto |" in text and "auto against the grid" in text and "predicted / measured" in text
+  compiles_row = next(line for line in text.split("Compiles and steps apart")[1].splitlines()
+                      if line.startswith(f"| {validation['dataset']} | {validation['mode']} |"))
+  assert f"| {measured['compile_s']:.1f} | {validation['predicted_compile_s']:.1f} |" in compiles_row
   finding = result["findings"][name]  # bucketed packing against packing, from the two modes' rows
   assert finding["bucketed_packing_widths"] == len(modes["bucketed_packed"]["buckets"])
   assert finding["bucketed_packing_waste_over_packing_points"] == pytest.approx(
@@ -401,3 +406,20 @@ def test_step_profile_names_the_ops_of_the_compiled_step():
   assert step_profile.group_of("ynn_fusion.3") == "library products"
   assert step_profile.group_of("wrapped_convert.2") == "conversions"
   assert step_profile.group_of("dot_general.7") == "other products"
+
+
+def test_store_build_compares_the_store_with_the_bare_tokenizer_and_times_each_stage(tmp_path):
+  from benchmarks import store_build
+
+  result = store_build.run(argparse.Namespace(model="smollm2-135m-instruct", records=600, reps=1, max_length=1024,
+                                              seed=0))
+  assert result["records"] == 600 and 590 <= result["kept"] <= 600  # a few lose every trained token to max_length
+  assert all(len(v) == 1 and v[0] > 0 for v in result["examples_per_s"].values())
+  assert result["store_over_encode_batch"] == round(result["best_examples_per_s"]["store"]
+                                                    / result["best_examples_per_s"]["encode_batch"], 3)
+  assert set(result["stages"]["seconds"]) == {"read and normalize", "render (chat template, spans)", "serialize record",
+                                              "encode_batch", "labels from encodings", "free encodings"}
+  assert result["stages"]["fast_path_template"] and result["stages"]["fallbacks"] == 0
+  text = store_build.markdown({"machine": {"cpu": "x", "cpus": 2, "jax": "0", "backend": "cpu", "load_average": [0, 0, 0]},
+                               "command": "c", "run": result})
+  assert "store / encode_batch" in text and "free encodings" in text
