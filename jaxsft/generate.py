@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from jaxsft.errors import JaxsftError
-from jaxsft.models.decoder import CausalLM
+from jaxsft.models.decoder import CausalLM, with_layers_packed
 
 
 class PromptTooLong(JaxsftError, ValueError):
@@ -188,6 +188,7 @@ def generate(model, tokenizer, prompts: Sequence[Sequence[dict]], *, max_new_tok
   A prompt that does not fit in the model's window raises `PromptTooLong` naming its index.
   """
   graphdef, state = nnx.split(model)
+  state = with_layers_packed(state)  # packed once, not in every call
   stop_list = stop_token_ids(tokenizer, model)
   stops = jnp.asarray(stop_list, jnp.int32)
   pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_list[0]
@@ -242,6 +243,7 @@ def stream(model, tokenizer, messages: Sequence[dict], *, max_new_tokens: int = 
   split over several tokens is yielded once it is whole).
   """
   graphdef, state = nnx.split(model)
+  state = with_layers_packed(state)  # packed once, not in every call
   stop_list = stop_token_ids(tokenizer, model)
   encoded = encode_prompt(tokenizer, messages)
   check_prompt_fits(len(encoded), model)

@@ -95,3 +95,25 @@ def test_the_cpu_step_makes_no_float32_copy_of_the_stack():
   conversion = r"\{[0-9,]*\} (convert\(|fusion\(.*calls=%wrapped_convert)"
   converted = {shape for shape in stacked if re.search(rf"= {re.escape(shape)}{conversion}", hlo)}
   assert not converted, converted
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the stacks are packed on a CPU only")
+def test_layers_packed_ahead_give_the_same_logits_and_are_not_packed_again():
+  """`with_layers_packed` (what generation hands its jitted calls): the same logits bit for bit,
+  and the compiled forward no longer packs a stack (the pack's word-building fusion, u32 stack-
+  shaped, is in the plain forward and gone from the prepacked one)."""
+  from jaxsft.models.decoder import with_layers_packed
+
+  model = models.init_random(TINY, dtype="bfloat16", seed=0)
+  graphdef, state = nnx.split(model)
+  prepacked = nnx.merge(graphdef, with_layers_packed(state))
+  assert any(isinstance(x, stack16.Packed) for x in jax.tree.leaves(
+      nnx.state(prepacked.layers), is_leaf=lambda x: isinstance(x, stack16.Packed)))
+  ids = jnp.asarray(np.random.default_rng(0).integers(0, TINY.vocab_size, (2, 16)), jnp.int32)
+  forward = lambda m: m(ids)  # noqa: E731
+  np.testing.assert_array_equal(np.asarray(nnx.jit(forward)(prepacked)), np.asarray(nnx.jit(forward)(model)))
+  words = {f"u32[{TINY.num_layers},{','.join(map(str, x.shape[1:-1]))},{x.shape[-1] // 2}]"
+           for x in jax.tree.leaves(nnx.state(model.layers)) if stack16.packable(x)}
+  assert words
+  packs = lambda m: {w for w in words if w in nnx.jit(forward).lower(m).compile().as_text()}  # noqa: E731
+  assert packs(model) and not packs(prepacked)

@@ -355,6 +355,17 @@ def _variants(values: tuple) -> tuple[tuple, tuple[int, ...] | None]:
   return distinct, tuple(distinct.index(v) for v in values)
 
 
+def with_layers_packed(state):
+  """A `CausalLM`'s state (`nnx.split`) with its 16-bit layer stacks packed once
+  (`stack16.prepacked`) on a CPU, for calls that read the same weights many times (each generated
+  token): the forward then slices them without packing them again. Elsewhere, as it is."""
+  if jax.default_backend() != "cpu" or "layers" not in state:
+    return state
+  state = nnx.State(dict(state))
+  state["layers"] = stack16.prepacked(state["layers"])
+  return state
+
+
 class CausalLM(nnx.Module):
   """Decoder-only causal LM of any supported family (`jaxsft.models.families`).
   `model(input_ids, ...) -> logits (B, T, V)` in the activation dtype (`activation_dtype`).

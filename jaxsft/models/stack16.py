@@ -14,6 +14,10 @@ conversion is left (a bitcast is neither float normalized nor folded back). Both
 cotangents through the same views, so a trained 16-bit weight (full fine-tuning) gets exactly
 the gradient it gets unpacked: the scan transposes each layer's slice on its own (stacks, never
 sums, the per-layer cotangents), and a packed value feeds nothing but `unpack`.
+
+Packing costs a pass over the stack (XLA's CPU backend builds the float32 words element by
+element). Calls that read the same weights again and again (each generated token) take them
+packed ahead (`prepacked`, as `Packed` leaves), and `pack_tree` passes those through.
 """
 
 from __future__ import annotations
@@ -74,11 +78,43 @@ def unpack(p: jax.Array, dtype) -> jax.Array:
   return (_unpack_bf16 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else _unpack_f16)(p)
 
 
+@jax.tree_util.register_pytree_node_class
+class Packed:
+  """A 16-bit stack packed ahead of the calls that read it: its float32 `words` (`pack`) and the
+  name of its `dtype`. Packing is a pass over the whole stack (XLA's CPU backend computes the
+  bitcast to wider words element by element), so a stack read by many calls (every generated
+  token) is packed once, outside them (`prepacked`), not inside each."""
+
+  def __init__(self, words, dtype: str):
+    self.words, self.dtype = words, dtype
+
+  def tree_flatten(self):
+    return (self.words,), self.dtype
+
+  @classmethod
+  def tree_unflatten(cls, dtype, children):
+    return cls(children[0], dtype)
+
+
+def _is_packed(x) -> bool:
+  return isinstance(x, Packed)
+
+
+_pack_outside = jax.jit(_pack)
+
+
+def prepacked(tree):
+  """`tree` with its `packable` leaves as `Packed` (a layer stack's tree only: every packable leaf
+  must be read through `pack_tree`)."""
+  return jax.tree.map(lambda x: Packed(_pack_outside(x), jnp.dtype(x.dtype).name) if packable(x) else x, tree)
+
+
 def pack_tree(tree):
   """(the tree with its `packable` leaves packed, each leaf's dtype name or "" where it is left
-  as it is): what `unpack_tree` takes."""
-  dtypes = jax.tree.map(lambda x: jnp.dtype(x.dtype).name if packable(x) else "", tree)
-  packed = jax.tree.map(lambda x, d: pack(x) if d else x, tree, dtypes)
+  as it is): what `unpack_tree` takes. `Packed` leaves (`prepacked`) are taken as they are."""
+  dtypes = jax.tree.map(lambda x: x.dtype if _is_packed(x) else jnp.dtype(x.dtype).name if packable(x) else "", tree,
+                        is_leaf=_is_packed)
+  packed = jax.tree.map(lambda x, d: x.words if _is_packed(x) else pack(x) if d else x, tree, dtypes, is_leaf=_is_packed)
   return packed, dtypes
 
 
