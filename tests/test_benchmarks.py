@@ -423,3 +423,17 @@ def test_store_build_compares_the_store_with_the_bare_tokenizer_and_times_each_s
   text = store_build.markdown({"machine": {"cpu": "x", "cpus": 2, "jax": "0", "backend": "cpu", "load_average": [0, 0, 0]},
                                "command": "c", "run": result})
   assert "store / encode_batch" in text and "free encodings" in text
+
+
+@pytest.mark.slow
+def test_chat_decode_times_the_stream_with_the_stacks_packed_once_and_in_every_call():
+  from benchmarks import chat_decode
+
+  assert chat_decode.cells(["bfloat16", "float32"]) == [("bfloat16", "once"), ("bfloat16", "every call"),
+                                                        ("float32", "once")]
+  once = chat_decode.worker("smollm2-135m-instruct", "bfloat16", "once", 3)
+  assert once["pieces"] >= 1 and once["ms_per_token"] == pytest.approx(1e3 * once["seconds"] / 3)
+  rows = [{"dtype": "bfloat16", "packing": "once", "runs": [once], "ms_per_token": once["ms_per_token"]}]
+  text = chat_decode.markdown({"machine": {"cpu": "x", "cpus": 2, "jax": "0", "backend": "cpu", "load_average": [0, 0, 0]},
+                               "model": "m", "tokens": 3, "reps": 1, "command": "c", "rows": rows})
+  assert f"| bfloat16 | once | {once['ms_per_token']:.1f} |" in text
