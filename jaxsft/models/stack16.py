@@ -80,10 +80,8 @@ def unpack(p: jax.Array, dtype) -> jax.Array:
 
 @jax.tree_util.register_pytree_node_class
 class Packed:
-  """A 16-bit stack packed ahead of the calls that read it: its float32 `words` (`pack`) and the
-  name of its `dtype`. Packing is a pass over the whole stack (XLA's CPU backend computes the
-  bitcast to wider words element by element), so a stack read by many calls (every generated
-  token) is packed once, outside them (`prepacked`), not inside each."""
+  """A 16-bit stack packed ahead of the calls that read it (`prepacked`): its float32 `words`
+  (`pack`) and the name of its `dtype`."""
 
   def __init__(self, words, dtype: str):
     self.words, self.dtype = words, dtype
