@@ -42,6 +42,8 @@ from collections.abc import Sequence
 
 from flax import nnx
 
+from jaxsft.models.linear import Linear
+
 # Dense (not 2:4 sparse) peaks per chip, FLOP/s, (bfloat16, float32) by the vendors' data sheets.
 # float32 is the rate XLA's default matmul precision runs float32 matmuls at: TF32 tensor cores on
 # NVIDIA Ampere and later, one bfloat16 pass on a TPU's MXU. Under
@@ -115,8 +117,6 @@ class StepFlops:
   @classmethod
   def from_model(cls, model, trainable) -> StepFlops:
     """From a `CausalLM` (LoRA applied or not) and the nnx filter of its trained params."""
-    from jaxsft.models.decoder import Linear
-
     is_trained = nnx.filterlib.to_predicate(trainable)
     trained = {".".join(map(str, path)) for path, value in nnx.iter_graph(model)
                if isinstance(value, nnx.Variable) and is_trained(path, value)}

@@ -13,7 +13,7 @@ Why not `nnx.LoRA`: it has no scale and no input dropout (both part of PEFT's ma
 scale must stay out of the saved B), and the decoder's weights are stacked over layers
 (L, in, out) for `lax.scan`. So the projections carry `nnx.LoRAParam` factors stacked the same
 way, (L, in, r) and (L, r, out), and apply them with a two-matmul expression
-(`jaxsft.models.decoder.Linear`).
+(`jaxsft.models.linear.Linear`).
 
 PEFT stores per layer `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` of
 shape (r, in) and `...lora_B.weight` of shape (out, r): the transposes of layer i's A and B.
@@ -44,7 +44,9 @@ from flax import nnx
 
 from jaxsft import io
 from jaxsft.errors import JaxsftError
+from jaxsft.models.linear import Linear, dora_weight_norm
 from jaxsft.quant.formats import DEFAULT_BLOCK
+from jaxsft.quant.kernel import kernel_value
 
 # The Llama family's projections: module name -> path inside a decoder layer (as in transformers).
 # Other families have their own set (Phi-3 fuses q/k/v into qkv_proj and gate/up into
@@ -86,8 +88,6 @@ class LoraSettings:
 def module_paths(model) -> dict[str, tuple[str, str]]:
   """The model's projections, name -> path inside a decoder layer (("self_attn", "q_proj"),
   ...), attention first: the modules `target_modules` may name."""
-  from jaxsft.models.decoder import Linear  # models' loading imports this module
-
   found = {str(path[1]): (str(path[0]), str(path[1])) for path, module in nnx.iter_graph(model.layers)
            if isinstance(module, Linear) and len(path) == 2}
   order = [n for n in _CANONICAL_ORDER if n in found] + sorted(set(found) - set(_CANONICAL_ORDER))
@@ -158,9 +158,6 @@ def apply_lora(model, *, r: int = 8, alpha: float = 16, dropout: float = 0.0,
 def _weight_norm(proj, scale: float) -> jax.Array:
   """‖W + s·A B‖ over the input axis of every layer of `proj`: (L, out) float32 (the base
   dequantized first when quantized, as peft's `dequantize_module_weight`)."""
-  from jaxsft.models.decoder import dora_weight_norm
-  from jaxsft.quant.kernel import kernel_value
-
   return dora_weight_norm(kernel_value(proj.kernel, jnp.float32), proj.lora_a[...], proj.lora_b[...], scale)
 
 

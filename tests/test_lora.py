@@ -11,7 +11,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from jaxsft import lora, loss
-from jaxsft.models import decoder, families, hf_weights
+from jaxsft.models import decoder, families, hf_weights, linear
 
 TINY = families.LlamaConfig(vocab_size=53, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
                             num_kv_heads=2, head_dim=8)
@@ -128,7 +128,7 @@ def test_dora_math_matches_the_rescaled_dense_weight_and_merges_to_it():
 def test_dora_with_dropout_is_peft_formula_and_the_norm_gets_no_gradient():
   """With dropout peft adds (g − 1)·x_d W + g·s·x_d A B to x W, x_d = dropout(x); and ∂/∂A, ∂/∂B
   treat the norm as a constant (peft detaches it)."""
-  proj = decoder.Linear(8, 6, bias=True, stack=(), dtype="float32", rng_index=0, rngs=nnx.Rngs(0))
+  proj = linear.Linear(8, 6, bias=True, stack=(), dtype="float32", rng_index=0, rngs=nnx.Rngs(0))
   proj.bias.set_value(jnp.arange(6, dtype=jnp.float32) * 0.1)
   proj.lora_a = nnx.LoRAParam(jax.random.normal(jax.random.key(1), (8, 2)))
   proj.lora_b = nnx.LoRAParam(jax.random.normal(jax.random.key(2), (2, 6)))

@@ -1,6 +1,6 @@
 """A `CausalLM` whose frozen projection kernels are stored block-quantized (QLoRA).
 
-Each decoder projection (`jaxsft.models.decoder.Linear`) keeps its stacked kernel (L, in, out)
+Each decoder projection (`jaxsft.models.linear.Linear`) keeps its stacked kernel (L, in, out)
 as a `QuantizedKernel` variable holding a `QuantizedTensor`; `Linear` dequantizes it on use
 (`kernel_value`), inside the scanned and rematerialized layer body, so only one layer's float
 kernel exists at a time in the forward and in the backward pass. `QuantizedKernel` is not an
