@@ -437,3 +437,61 @@ def test_chat_decode_times_the_stream_with_the_stacks_packed_once_and_in_every_c
   text = chat_decode.markdown({"machine": {"cpu": "x", "cpus": 2, "jax": "0", "backend": "cpu", "load_average": [0, 0, 0]},
                                "model": "m", "tokens": 3, "reps": 1, "command": "c", "rows": rows})
   assert f"| bfloat16 | once | {once['ms_per_token']:.1f} |" in text
+
+
+def test_cpu_run_names_its_files_by_cpu_and_reads_them_back():
+  from benchmarks import cpu_run
+
+  def cpuinfo(vendor, flags):
+    return f"vendor_id\t: {vendor}\nmodel name\t: some CPU\nflags\t\t: fpu {flags}\n"
+
+  assert cpu_run.cpu_tag(cpuinfo("GenuineIntel", "avx2 avx512f avx512_bf16 amx_tile amx_bf16")) == "intel_amx"
+  assert cpu_run.cpu_tag(cpuinfo("AuthenticAMD", "avx2 avx512f avx512_bf16")) == "amd_avx512_bf16"
+  assert cpu_run.cpu_tag(cpuinfo("AuthenticAMD", "avx2 avx512f")) == "amd_avx512"
+  assert cpu_run.cpu_tag(cpuinfo("AuthenticAMD", "avx avx2")) == "amd_avx2"
+  assert cpu_run.cpu_tag(cpuinfo("HygonGenuine", "sse4_2")) == "cpu_no_avx2"
+  # Each cell's benchmark writes <its module's name><--suffix>: the verdict reads <stem>_<tag>.
+  for cell in cpu_run.CELLS:
+    cmd = cell.command("intel_amx", reps=2)
+    module = cmd[cmd.index("-m") + 1].removeprefix("benchmarks.")
+    assert module + cmd[cmd.index("--suffix") + 1] == f"{cell.stem}_intel_amx", cell.name
+
+
+def test_cpu_run_holds_each_target_against_what_this_cpu_gave():
+  from benchmarks import cpu_run
+
+  def step(jaxsft_s, eager, compiled, mfu):
+    per = {"jaxsft": {"step_s": jaxsft_s, "mfu": mfu}, "jaxsft_over_torch_eager": eager,
+           "jaxsft_over_torch_compile": compiled}
+    return {"summary": {shape: per for shape in cpu_run.SHAPES}}
+
+  results = {"vs_torch_smollm2_f32": step(3.0, 1.17, 1.03, 0.74),
+             "vs_torch_smollm2_bf16": step(2.1, 1.31, 0.98, 0.59),
+             "compile_prediction_smollm2": {"rows": [
+                 {"run": "held-out cold", "compiles_ratio": 1.03, "steps_ratio": 0.86},
+                 {"run": "held-out warm", "compiles_ratio": 1.40, "steps_ratio": 0.84}]},
+             "store_build": None}
+
+  def by_name(flags):
+    return {r["target"]: r for r in cpu_run.targets(results, flags)}
+
+  amx, avx512_bf16 = by_name(("avx512f", "avx512_bf16", "amx_bf16")), by_name(("avx512f", "avx512_bf16"))
+  own = amx["bfloat16 8x128: jaxsft float32 step over its bfloat16 step"]
+  assert own["value"] == pytest.approx(3.0 / 2.1) and own["met"] is False and own["required"]
+  assert not avx512_bf16["bfloat16 8x128: jaxsft float32 step over its bfloat16 step"]["required"]
+  compiled = "bfloat16 4x512: jaxsft over torch compile"
+  assert amx[compiled]["met"] is False and amx[compiled]["required"] and not avx512_bf16[compiled]["required"]
+  assert avx512_bf16["bfloat16 4x512: jaxsft over torch eager"]["required"]
+  assert not by_name(("avx512f",))["bfloat16 4x512: jaxsft over torch eager"]["required"]
+  assert amx["float32 8x128: jaxsft over torch eager"]["met"] is True
+  assert amx["float32 8x128: model FLOP rate over the single-matmul rate"]["met"] is False
+  assert amx["compile seconds predicted over measured, held-out cold"]["met"] is True
+  assert amx["compile seconds predicted over measured, held-out warm"]["met"] is False
+  assert amx["step seconds predicted over measured, held-out cold"]["met"] is True
+  assert amx["step seconds predicted over measured, held-out warm"]["met"] is False
+  store = amx["token store build over the bare encode_batch"]
+  assert store["value"] is None and store["met"] is None  # its file is absent: not measured, not met
+  text = cpu_run.markdown({"tag": "intel_amx", "command": "python -m benchmarks.cpu_run", "cells": [],
+                           "machine": common.machine_info(), "targets": list(amx.values())})
+  assert "`vs_torch_smollm2_bf16_intel_amx`, `vs_torch_smollm2_f32_intel_amx`" in text
+  assert "| token store build over the bare encode_batch | not measured |" in text

@@ -1,0 +1,226 @@
+"""Every CPU figure the performance targets name, measured on this machine in one command, and
+the verdict: each target beside what this CPU gave.
+
+    python -m benchmarks.cpu_run [--only CELL ...] [--reps 2] [--tag TAG]
+
+  matmul_f32          one 1024x576 · 576x1536 product and its dX, XLA against torch, float32
+                      (`benchmarks.matmul`; the file matmul_<tag>)
+  matmul_bf16         the same in bfloat16 (matmul_bf16_<tag>)
+  step_f32            SmolLM2-135M-Instruct (real weights), LoRA r 8 on q/v, 8x128 and 4x512:
+                      jaxsft against torch eager + peft and torch.compile, fresh processes
+                      interleaved (`benchmarks.vs_torch`; vs_torch_smollm2_f32_<tag>)
+  step_bf16           the same with the model in bfloat16 on both sides (vs_torch_smollm2_bf16_<tag>)
+  compile_prediction  the collation cost model's compile and step seconds against a run's, on a
+                      held-out file, cold cache and warm (`benchmarks.compile_prediction`;
+                      compile_prediction_smollm2_<tag>)
+  store_build         the token store against the bare `encode_batch`, 200,000 mixed records
+                      (`benchmarks.store_build`; store_build_<tag>)
+
+TAG names the CPU in every file, so that runs on different CPUs sit side by side: by default the
+vendor and its best matrix unit (`cpu_tag`: intel_amx, amd_avx512_bf16, amd_avx2, ...). Each cell
+runs in its own process group under its own time limit; one that fails or runs out of time says
+why and the next one runs. Then cpu_run_<tag>.{json,md} lists every target (`targets`) with the
+value its cell's file holds: a cell not run this time is read from its earlier file of the same
+tag, so `--only` reruns a cell and the verdict keeps the rest.
+
+Run it on a quiet machine: `benchmarks.vs_torch` waits for the load to settle before each run and
+marks a run that started on a busy machine as contended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+from benchmarks import common
+from benchmarks.vs_torch import TARGET_CPU_MFU, TARGET_RATIOS
+
+MODEL = "smollm2-135m-instruct"
+SHAPES = ("8x128", "4x512")
+BF16_OVER_F32 = 1.5
+"""bfloat16's step against the same machine's float32 step, where the CPU has AMX tiles."""
+COMPILE_RATIO = (0.75, 1.33)
+"""Predicted over measured compile seconds, held-out file, cold cache and warm."""
+STEPS_WITHIN = 0.15
+"""Predicted step seconds within this fraction of the measured ones."""
+STORE_OVER_ENCODE = 0.8
+"""The token store's build rate over the bare `encode_batch`'s."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+  name: str
+  what: str
+  limit_s: int
+  stem: str  # the result file's name before the tag
+
+  def command(self, tag: str, reps: int) -> list[str]:
+    python, suffix = sys.executable, f"_{tag}"
+    if self.name.startswith("matmul"):
+      dtype = "bfloat16" if self.name.endswith("bf16") else "float32"
+      return [python, "-m", "benchmarks.matmul", "--dtype", dtype, "--reps", str(max(reps, 3)),
+              "--suffix", self.stem.removeprefix("matmul") + suffix]
+    if self.name.startswith("step"):
+      dtype = "bfloat16" if self.name.endswith("bf16") else "float32"
+      return [python, "-m", "benchmarks.vs_torch", "--model", MODEL, "--dtype", dtype, "--shapes", *SHAPES,
+              "--steps", "6", "--reps", str(reps), "--frameworks", "jaxsft", "torch_eager", "torch_compile",
+              "--compile-timeout", "600", "--suffix", self.stem.removeprefix("vs_torch") + suffix]
+    if self.name == "compile_prediction":
+      return [python, "-m", "benchmarks.compile_prediction", "--steps", "10", "--suffix", "_smollm2" + suffix]
+    return [python, "-m", "benchmarks.store_build", "--records", "200000", "--reps", "3", "--suffix", suffix]
+
+
+# Limits: about three times what each cell took on a 2-core AMD EPYC with AVX-512, so that the
+# AVX2-only EPYC (about 3x slower) fits too; a cell that needs more is a machine in trouble.
+CELLS = (
+    Cell("matmul_f32", "one 1024x576·576x1536 product and its dX, XLA against torch, float32", 600, "matmul"),
+    Cell("matmul_bf16", "the same product in bfloat16", 600, "matmul_bf16"),
+    Cell("step_f32", f"{MODEL} LoRA step, float32, {' and '.join(SHAPES)}: jaxsft, torch eager + peft, "
+         "torch.compile", 5400, "vs_torch_smollm2_f32"),
+    Cell("step_bf16", f"the same step in bfloat16", 5400, "vs_torch_smollm2_bf16"),
+    Cell("compile_prediction", "the cost model's compile and step seconds against a run's, cold and warm",
+         2700, "compile_prediction_smollm2"),
+    Cell("store_build", "the token store against the bare encode_batch, 200,000 records", 2700, "store_build"),
+)
+
+
+def cpu_tag(cpuinfo: str | None = None) -> str:
+  """The CPU's name in result files: its vendor and best matrix unit, e.g. "intel_amx",
+  "amd_avx512_bf16", "amd_avx512", "amd_avx2" (from `cpuinfo`, default /proc/cpuinfo)."""
+  cpuinfo = common.read_cpuinfo() if cpuinfo is None else cpuinfo
+  fields = dict(line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)
+  fields = {k.strip(): v.strip() for k, v in fields.items()}
+  vendor = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(fields.get("vendor_id", ""), "cpu")
+  flags = fields.get("flags", "").split()
+  unit = next((name for flag, name in (("amx_bf16", "amx"), ("avx512_bf16", "avx512_bf16"), ("avx512f", "avx512"),
+                                       ("avx2", "avx2")) if flag in flags), "no_avx2")
+  return f"{vendor}_{unit}"
+
+
+def run_cell(cell: Cell, tag: str, reps: int, log=print) -> dict:
+  cmd = cell.command(tag, reps)
+  env = dict(os.environ, PYTHONPATH=str(common.ROOT), HF_HUB_OFFLINE="1")
+  log(f"== {cell.name}: {cell.what} (limit {cell.limit_s} s)\n   {' '.join(cmd[1:])}")
+  started_at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+  t0 = time.perf_counter()
+  # A session of its own: at the limit the cell's workers (and torch.compile's) go with it.
+  proc = subprocess.Popen(cmd, cwd=common.ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True)
+  try:
+    output, _ = proc.communicate(timeout=cell.limit_s)
+    status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    output, _ = proc.communicate()
+    status = f"ran past its {cell.limit_s} s limit"
+  tail = output.strip().splitlines()[-4:]
+  seconds = time.perf_counter() - t0
+  log(f"   {cell.name}: {status} in {seconds:.0f} s" + ("" if status == "ok" else ": " + " | ".join(tail)))
+  return {"cell": cell.name, "command": "python " + " ".join(cmd[1:]), "started_at": started_at, "status": status,
+          "seconds": seconds, "last_lines": tail}
+
+
+# ---------------------------------------------------------------------------------------------
+# The verdict, from the cells' files.
+
+
+def read_result(stem: str, tag: str, results_dir: pathlib.Path = common.RESULTS) -> dict | None:
+  path = results_dir / f"{stem}_{tag}.json"
+  return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _row(target: str, value: float | None, wanted: str, met: bool | None, required: bool, source: str) -> dict:
+  return {"target": target, "value": value, "wanted": wanted, "met": met, "required": required, "source": source}
+
+
+def targets(results: dict[str, dict | None], flags: tuple[str, ...]) -> list[dict]:
+  """Each target with what `results` (cell stem → its result file's JSON, None where absent)
+  hold for it; `required` says whether the target applies to a CPU with these matrix flags:
+  float32 everywhere; bfloat16 against torch eager where the CPU has bf16 units
+  (avx512_bf16 or AMX), against torch.compile and its own float32 step where it has AMX."""
+  bf16_units = "avx512_bf16" in flags or "amx_bf16" in flags
+  amx = "amx_bf16" in flags
+  rows = []
+  for dtype, stem in (("float32", "vs_torch_smollm2_f32"), ("bfloat16", "vs_torch_smollm2_bf16")):
+    result = results.get(stem) or {}
+    f32 = (results.get("vs_torch_smollm2_f32") or {}).get("summary", {})
+    for shape in SHAPES:
+      summary = result.get("summary", {}).get(shape, {})
+      for fw, required in (("torch_eager", dtype == "float32" or bf16_units),
+                           ("torch_compile", dtype == "float32" or amx)):
+        ratio, target = summary.get(f"jaxsft_over_{fw}"), TARGET_RATIOS[dtype][fw]
+        rows.append(_row(f"{dtype} {shape}: jaxsft over {fw.replace('_', ' ')}", ratio, f">= {target}",
+                         None if ratio is None else ratio >= target, required, stem))
+      mfu = summary.get("jaxsft", {}).get("mfu")
+      rows.append(_row(f"{dtype} {shape}: model FLOP rate over the single-matmul rate", mfu, f">= {TARGET_CPU_MFU}",
+                       None if mfu is None else mfu >= TARGET_CPU_MFU, dtype == "float32" or bf16_units, stem))
+      if dtype == "bfloat16":
+        step, step_f32 = summary.get("jaxsft", {}).get("step_s"), f32.get(shape, {}).get("jaxsft", {}).get("step_s")
+        ratio = step_f32 / step if step and step_f32 else None
+        rows.append(_row(f"bfloat16 {shape}: jaxsft float32 step over its bfloat16 step", ratio, f">= {BF16_OVER_F32}",
+                         None if ratio is None else ratio >= BF16_OVER_F32, amx, f"{stem}, vs_torch_smollm2_f32"))
+  prediction = {r["run"]: r for r in (results.get("compile_prediction_smollm2") or {}).get("rows", [])}
+  low, high = COMPILE_RATIO
+  for run in ("held-out cold", "held-out warm"):
+    row = prediction.get(run, {})
+    ratio = row.get("compiles_ratio")
+    rows.append(_row(f"compile seconds predicted over measured, {run}", ratio, f"{low} to {high}",
+                     None if ratio is None else low <= ratio <= high, True, "compile_prediction_smollm2"))
+    ratio = row.get("steps_ratio")
+    rows.append(_row(f"step seconds predicted over measured, {run}", ratio,
+                     f"{1 - STEPS_WITHIN:.2f} to {1 + STEPS_WITHIN:.2f}",
+                     None if ratio is None else abs(ratio - 1) <= STEPS_WITHIN, True, "compile_prediction_smollm2"))
+  ratio = ((results.get("store_build") or {}).get("run") or {}).get("store_over_encode_batch")
+  rows.append(_row("token store build over the bare encode_batch", ratio, f">= {STORE_OVER_ENCODE}",
+                   None if ratio is None else ratio >= STORE_OVER_ENCODE, True, "store_build"))
+  return rows
+
+
+def markdown(result: dict) -> str:
+  tag = result["tag"]
+  lines = [f"# The CPU run on {tag}", "", f"`{result['command']}`", "",
+           f"Machine: {common.machine_line(result['machine'])}.", "",
+           "| target | this CPU | wanted | met | applies to this CPU | file |", "| --- | ---: | --- | --- | --- | --- |"]
+  for r in result["targets"]:
+    value = "not measured" if r["value"] is None else f"{r['value']:.2f}"
+    met = "" if r["met"] is None else ("yes" if r["met"] else "**no**")
+    lines.append(f"| {r['target']} | {value} | {r['wanted']} | {met} | {'yes' if r['required'] else 'no'} | "
+                 f"`{r['source'].replace(', ', f'_{tag}`, `')}_{tag}` |")
+  lines += ["", "Cells run by the command above:", "", "| cell | status | started | seconds | command |",
+            "| --- | --- | --- | ---: | --- |"]
+  for c in result["cells"]:
+    lines.append(f"| {c['cell']} | {c['status']} | {c['started_at']} | {c['seconds']:.0f} | `{c['command']}` |")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--only", nargs="+", choices=[c.name for c in CELLS], help="run only these cells")
+  parser.add_argument("--reps", type=int, default=2, help="interleaved repetitions of each step comparison")
+  parser.add_argument("--tag", default=cpu_tag(), help="the CPU's name in the result files (default: %(default)s)")
+  args = parser.parse_args(argv)
+  log = lambda s: print(s, flush=True)
+  machine = common.machine_info()
+  cells = [c for c in CELLS if not args.only or c.name in args.only]
+  ran = [run_cell(c, args.tag, args.reps, log) for c in cells]
+  command = (f"python -m benchmarks.cpu_run --reps {args.reps}" + (f" --only {' '.join(args.only)}" if args.only else "")
+             + ("" if args.tag == cpu_tag() else f" --tag {args.tag}"))
+  results = {c.stem: read_result(c.stem, args.tag) for c in CELLS}
+  result = {"command": command, "tag": args.tag, "machine": machine, "cells": ran,
+            "targets": targets(results, tuple(machine.get("cpu_flags", ())))}
+  common.write_results(f"cpu_run_{args.tag}", result, markdown(result))
+  missed = [r["target"] for r in result["targets"] if r["required"] and r["met"] is False]
+  log(f"cpu_run: {sum(c['status'] == 'ok' for c in ran)}/{len(ran)} cells ok; {len(missed)} required targets missed"
+      + "".join(f"\n   missed: {m}" for m in missed))
+  return 0 if all(c["status"] == "ok" for c in ran) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
