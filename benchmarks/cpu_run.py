@@ -30,6 +30,7 @@ marks a run that started on a busy machine as contended.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
@@ -37,10 +38,16 @@ import pathlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 
-from benchmarks import common
-from benchmarks.vs_torch import TARGET_CPU_MFU, TARGET_RATIOS
+# Each benchmark sets its own TOKENIZERS_PARALLELISM default (the token store's build times the
+# tokenizer on its threads, the step benchmarks turn them off); `common` sets one on import, which
+# the cells must not inherit unless the caller set it.
+_CALLERS_TOKENIZERS_PARALLELISM = os.environ.get("TOKENIZERS_PARALLELISM")
+
+from benchmarks import common  # noqa: E402
+from benchmarks.vs_torch import TARGET_CPU_MFU, TARGET_RATIOS  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 SHAPES = ("8x128", "4x512")
@@ -107,20 +114,32 @@ def cpu_tag(cpuinfo: str | None = None) -> str:
 def run_cell(cell: Cell, tag: str, reps: int, log=print) -> dict:
   cmd = cell.command(tag, reps)
   env = dict(os.environ, PYTHONPATH=str(common.ROOT), HF_HUB_OFFLINE="1")
+  if _CALLERS_TOKENIZERS_PARALLELISM is None:
+    env.pop("TOKENIZERS_PARALLELISM", None)
   log(f"== {cell.name}: {cell.what} (limit {cell.limit_s} s)\n   {' '.join(cmd[1:])}")
   started_at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
   t0 = time.perf_counter()
   # A session of its own: at the limit the cell's workers (and torch.compile's) go with it.
   proc = subprocess.Popen(cmd, cwd=common.ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           start_new_session=True)
+  tail = collections.deque(maxlen=4)
+
+  def relay() -> None:  # the cell's lines as they come: a cell can take an hour
+    for line in proc.stdout:
+      tail.append(line.rstrip())
+      log("   | " + line.rstrip())
+
+  reader = threading.Thread(target=relay, daemon=True)
+  reader.start()
   try:
-    output, _ = proc.communicate(timeout=cell.limit_s)
+    proc.wait(timeout=cell.limit_s)
     status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
   except subprocess.TimeoutExpired:
     os.killpg(proc.pid, signal.SIGKILL)
-    output, _ = proc.communicate()
+    proc.wait()
     status = f"ran past its {cell.limit_s} s limit"
-  tail = output.strip().splitlines()[-4:]
+  reader.join(timeout=10)
+  tail = list(tail)
   seconds = time.perf_counter() - t0
   log(f"   {cell.name}: {status} in {seconds:.0f} s" + ("" if status == "ok" else ": " + " | ".join(tail)))
   return {"cell": cell.name, "command": "python " + " ".join(cmd[1:]), "started_at": started_at, "status": status,
@@ -189,7 +208,7 @@ def markdown(result: dict) -> str:
            f"Machine: {common.machine_line(result['machine'])}.", "",
            "| target | this CPU | wanted | met | applies to this CPU | file |", "| --- | ---: | --- | --- | --- | --- |"]
   for r in result["targets"]:
-    value = "not measured" if r["value"] is None else f"{r['value']:.2f}"
+    value = "not measured" if r["value"] is None else f"{r['value']:.3f}"
     met = "" if r["met"] is None else ("yes" if r["met"] else "**no**")
     lines.append(f"| {r['target']} | {value} | {r['wanted']} | {met} | {'yes' if r['required'] else 'no'} | "
                  f"`{r['source'].replace(', ', f'_{tag}`, `')}_{tag}` |")

@@ -495,3 +495,21 @@ def test_cpu_run_holds_each_target_against_what_this_cpu_gave():
                            "machine": common.machine_info(), "targets": list(amx.values())})
   assert "`vs_torch_smollm2_bf16_intel_amx`, `vs_torch_smollm2_f32_intel_amx`" in text
   assert "| token store build over the bare encode_batch | not measured |" in text
+
+
+def test_cpu_run_relays_a_cells_lines_and_stops_it_at_its_limit(monkeypatch):
+  from benchmarks import cpu_run
+
+  class Scripted(cpu_run.Cell):
+    def command(self, tag, reps):
+      return [sys.executable, "-c", "import os, time\nfor i in range(3): print('line', i, flush=True)\n"
+              "print(os.environ.get('TOKENIZERS_PARALLELISM', 'unset'), flush=True)\ntime.sleep(30)"]
+
+  # benchmarks.common set TOKENIZERS_PARALLELISM=false here; a cell gets each benchmark's own default
+  monkeypatch.setattr(cpu_run, "_CALLERS_TOKENIZERS_PARALLELISM", None)
+
+  lines = []
+  result = cpu_run.run_cell(Scripted("scripted", "prints three lines, then sleeps", 3, "x"), "t", 1, lines.append)
+  assert result["status"] == "ran past its 3 s limit" and result["seconds"] < 20
+  assert result["last_lines"] == ["line 0", "line 1", "line 2", "unset"]
+  assert "   | line 2" in lines
