@@ -212,7 +212,7 @@ def markdown(result: dict) -> str:
     met = "" if r["met"] is None else ("yes" if r["met"] else "**no**")
     lines.append(f"| {r['target']} | {value} | {r['wanted']} | {met} | {'yes' if r['required'] else 'no'} | "
                  f"`{r['source'].replace(', ', f'_{tag}`, `')}_{tag}` |")
-  lines += ["", "Cells run by the command above:", "", "| cell | status | started | seconds | command |",
+  lines += ["", "Each cell's last run (with `--only`, the other cells are those of an earlier call):", "", "| cell | status | started | seconds | command |",
             "| --- | --- | --- | ---: | --- |"]
   for c in result["cells"]:
     lines.append(f"| {c['cell']} | {c['status']} | {c['started_at']} | {c['seconds']:.0f} | `{c['command']}` |")
@@ -232,7 +232,13 @@ def main(argv=None) -> int:
   command = (f"python -m benchmarks.cpu_run --reps {args.reps}" + (f" --only {' '.join(args.only)}" if args.only else "")
              + ("" if args.tag == cpu_tag() else f" --tag {args.tag}"))
   results = {c.stem: read_result(c.stem, args.tag) for c in CELLS}
-  result = {"command": command, "tag": args.tag, "machine": machine, "cells": ran,
+  earlier = read_result("cpu_run", args.tag) if args.only else None
+  if earlier:  # the cells not run again keep their earlier entries, as their files keep their figures
+    by_name = {c["cell"]: c for c in earlier["cells"]} | {c["cell"]: c for c in ran}
+  else:
+    by_name = {c["cell"]: c for c in ran}
+  result = {"command": command, "tag": args.tag, "machine": machine,
+            "cells": [by_name[c.name] for c in CELLS if c.name in by_name],
             "targets": targets(results, tuple(machine.get("cpu_flags", ())))}
   common.write_results(f"cpu_run_{args.tag}", result, markdown(result))
   missed = [r["target"] for r in result["targets"] if r["required"] and r["met"] is False]
