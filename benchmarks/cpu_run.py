@@ -84,14 +84,14 @@ class Cell:
     return [python, "-m", "benchmarks.store_build", "--records", "200000", "--reps", "3", "--suffix", suffix]
 
 
-# Limits: about three times what each cell took on a 2-core AMD EPYC with AVX-512, so that the
-# AVX2-only EPYC (about 3x slower) fits too; a cell that needs more is a machine in trouble.
+# Limits: 3.5 to 24 times what each cell took on the 2-core AMD EPYC with avx512_bf16
+# (cpu_run_amd_avx512_bf16.md), so that the AVX2-only EPYC, about 3x slower, fits too.
 CELLS = (
     Cell("matmul_f32", "one 1024x576·576x1536 product and its dX, XLA against torch, float32", 600, "matmul"),
     Cell("matmul_bf16", "the same product in bfloat16", 600, "matmul_bf16"),
     Cell("step_f32", f"{MODEL} LoRA step, float32, {' and '.join(SHAPES)}: jaxsft, torch eager + peft, "
          "torch.compile", 5400, "vs_torch_smollm2_f32"),
-    Cell("step_bf16", f"the same step in bfloat16", 5400, "vs_torch_smollm2_bf16"),
+    Cell("step_bf16", "the same step in bfloat16", 5400, "vs_torch_smollm2_bf16"),
     Cell("compile_prediction", "the cost model's compile and step seconds against a run's, cold and warm",
          2700, "compile_prediction_smollm2"),
     Cell("store_build", "the token store against the bare encode_batch, 200,000 records", 2700, "store_build"),
