@@ -47,18 +47,15 @@ import time
 _CALLERS_TOKENIZERS_PARALLELISM = os.environ.get("TOKENIZERS_PARALLELISM")
 
 from benchmarks import common  # noqa: E402
-from benchmarks.vs_torch import TARGET_CPU_MFU, TARGET_RATIOS  # noqa: E402
+from benchmarks.compile_prediction import TARGET_COMPILE_RATIO, TARGET_STEPS_WITHIN  # noqa: E402
+from benchmarks.store_build import TARGET_OVER_ENCODE  # noqa: E402
+from jaxsft.matmul import cpu_features  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 SHAPES = ("8x128", "4x512")
 BF16_OVER_F32 = 1.5
-"""bfloat16's step against the same machine's float32 step, where the CPU has AMX tiles."""
-COMPILE_RATIO = (0.75, 1.33)
-"""Predicted over measured compile seconds, held-out file, cold cache and warm."""
-STEPS_WITHIN = 0.15
-"""Predicted step seconds within this fraction of the measured ones."""
-STORE_OVER_ENCODE = 0.8
-"""The token store's build rate over the bare `encode_batch`'s."""
+"""bfloat16's step against the same machine's float32 step, where the CPU has AMX tiles (the
+other targets are their benchmarks': `vs_torch.targets`, `compile_prediction`, `store_build`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,12 +99,10 @@ def cpu_tag(cpuinfo: str | None = None) -> str:
   """The CPU's name in result files: its vendor and best matrix unit, e.g. "intel_amx",
   "amd_avx512_bf16", "amd_avx512", "amd_avx2" (from `cpuinfo`, default /proc/cpuinfo)."""
   cpuinfo = common.read_cpuinfo() if cpuinfo is None else cpuinfo
-  fields = dict(line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)
-  fields = {k.strip(): v.strip() for k, v in fields.items()}
-  vendor = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(fields.get("vendor_id", ""), "cpu")
-  flags = fields.get("flags", "").split()
-  unit = next((name for flag, name in (("amx_bf16", "amx"), ("avx512_bf16", "avx512_bf16"), ("avx512f", "avx512"),
-                                       ("avx2", "avx2")) if flag in flags), "no_avx2")
+  vendor_id = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("vendor_id")), "")
+  vendor = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(vendor_id, "cpu")
+  features = cpu_features(cpuinfo)  # best first: amx_bf16, avx512_bf16, avx512f, avx2
+  unit = {"amx_bf16": "amx", "avx512f": "avx512"}.get(features[0], features[0]) if features else "no_avx2"
   return f"{vendor}_{unit}"
 
 
@@ -167,26 +162,26 @@ def targets(results: dict[str, dict | None], flags: tuple[str, ...]) -> list[dic
   bf16_units = "avx512_bf16" in flags or "amx_bf16" in flags
   amx = "amx_bf16" in flags
   rows = []
+  f32 = (results.get("vs_torch_smollm2_f32") or {}).get("summary", {})
   for dtype, stem in (("float32", "vs_torch_smollm2_f32"), ("bfloat16", "vs_torch_smollm2_bf16")):
     result = results.get(stem) or {}
-    f32 = (results.get("vs_torch_smollm2_f32") or {}).get("summary", {})
     for shape in SHAPES:
       summary = result.get("summary", {}).get(shape, {})
-      for fw, required in (("torch_eager", dtype == "float32" or bf16_units),
-                           ("torch_compile", dtype == "float32" or amx)):
-        ratio, target = summary.get(f"jaxsft_over_{fw}"), TARGET_RATIOS[dtype][fw]
-        rows.append(_row(f"{dtype} {shape}: jaxsft over {fw.replace('_', ' ')}", ratio, f">= {target}",
-                         None if ratio is None else ratio >= target, required, stem))
-      mfu = summary.get("jaxsft", {}).get("mfu")
-      rows.append(_row(f"{dtype} {shape}: model FLOP rate over the single-matmul rate", mfu, f">= {TARGET_CPU_MFU}",
-                       None if mfu is None else mfu >= TARGET_CPU_MFU, dtype == "float32" or bf16_units, stem))
+      verdicts = result.get("targets", {}).get(shape, {})  # vs_torch's own, against its targets
+      for fw, key, required in (("torch eager", "torch_eager", dtype == "float32" or bf16_units),
+                                ("torch compile", "torch_compile", dtype == "float32" or amx),
+                                ("", "jaxsft_mfu", dtype == "float32" or bf16_units)):
+        v = verdicts.get(key, {})
+        name = f"jaxsft over {fw}" if fw else "model FLOP rate over the single-matmul rate"
+        rows.append(_row(f"{dtype} {shape}: {name}", v.get("ratio", v.get("mfu")), f">= {v.get('target', '?')}",
+                         v.get("met"), required, stem))
       if dtype == "bfloat16":
         step, step_f32 = summary.get("jaxsft", {}).get("step_s"), f32.get(shape, {}).get("jaxsft", {}).get("step_s")
         ratio = step_f32 / step if step and step_f32 else None
         rows.append(_row(f"bfloat16 {shape}: jaxsft float32 step over its bfloat16 step", ratio, f">= {BF16_OVER_F32}",
                          None if ratio is None else ratio >= BF16_OVER_F32, amx, f"{stem}, vs_torch_smollm2_f32"))
   prediction = {r["run"]: r for r in (results.get("compile_prediction_smollm2") or {}).get("rows", [])}
-  low, high = COMPILE_RATIO
+  low, high = TARGET_COMPILE_RATIO
   for run in ("held-out cold", "held-out warm"):
     row = prediction.get(run, {})
     ratio = row.get("compiles_ratio")
@@ -194,11 +189,12 @@ def targets(results: dict[str, dict | None], flags: tuple[str, ...]) -> list[dic
                      None if ratio is None else low <= ratio <= high, True, "compile_prediction_smollm2"))
     ratio = row.get("steps_ratio")
     rows.append(_row(f"step seconds predicted over measured, {run}", ratio,
-                     f"{1 - STEPS_WITHIN:.2f} to {1 + STEPS_WITHIN:.2f}",
-                     None if ratio is None else abs(ratio - 1) <= STEPS_WITHIN, True, "compile_prediction_smollm2"))
+                     f"{1 - TARGET_STEPS_WITHIN:.2f} to {1 + TARGET_STEPS_WITHIN:.2f}",
+                     None if ratio is None else abs(ratio - 1) <= TARGET_STEPS_WITHIN, True,
+                     "compile_prediction_smollm2"))
   ratio = ((results.get("store_build") or {}).get("run") or {}).get("store_over_encode_batch")
-  rows.append(_row("token store build over the bare encode_batch", ratio, f">= {STORE_OVER_ENCODE}",
-                   None if ratio is None else ratio >= STORE_OVER_ENCODE, True, "store_build"))
+  rows.append(_row("token store build over the bare encode_batch", ratio, f">= {TARGET_OVER_ENCODE}",
+                   None if ratio is None else ratio >= TARGET_OVER_ENCODE, True, "store_build"))
   return rows
 
 
@@ -212,8 +208,8 @@ def markdown(result: dict) -> str:
     met = "" if r["met"] is None else ("yes" if r["met"] else "**no**")
     lines.append(f"| {r['target']} | {value} | {r['wanted']} | {met} | {'yes' if r['required'] else 'no'} | "
                  f"`{r['source'].replace(', ', f'_{tag}`, `')}_{tag}` |")
-  lines += ["", "Each cell's last run (with `--only`, the other cells are those of an earlier call):", "", "| cell | status | started | seconds | command |",
-            "| --- | --- | --- | ---: | --- |"]
+  lines += ["", "Each cell's last run (with `--only`, the other cells are those of an earlier call):", "",
+            "| cell | status | started | seconds | command |", "| --- | --- | --- | ---: | --- |"]
   for c in result["cells"]:
     lines.append(f"| {c['cell']} | {c['status']} | {c['started_at']} | {c['seconds']:.0f} | `{c['command']}` |")
   return "\n".join(lines) + "\n"

@@ -42,6 +42,8 @@ from benchmarks.common import machine_info, machine_line, write_results  # noqa:
 SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 SOURCES = ("alpaca_en_demo.json", "chat_multiturn_demo.json", "oasst_top_paths.jsonl")
 BATCH = 512
+TARGET_OVER_ENCODE = 0.8
+"""The store's build rate over the bare `encode_batch`'s."""
 
 
 def mixed_records(count: int, seed: int) -> list[dict]:
@@ -113,10 +115,10 @@ def run(args) -> dict:
     stage_seconds = stages(records, path, tokenizer)
   finally:
     shutil.rmtree(work, ignore_errors=True)
-  best = {k: max(v) for k, v in rates.items()}
+  best = {k: round(max(v), 1) for k, v in rates.items()}  # the ratio is of the figures the file holds
   return {"records": len(records), "sources": list(SOURCES), "seed": args.seed, "max_length": args.max_length,
           "reps": args.reps, "examples_per_s": {k: [round(x, 1) for x in v] for k, v in rates.items()},
-          "best_examples_per_s": {k: round(v, 1) for k, v in best.items()},
+          "best_examples_per_s": best,
           "store_over_encode_batch": round(best["store"] / best["encode_batch"], 3),
           "kept": manifest["num_kept"], "tokens": manifest["num_tokens"], "stages": stage_seconds,
           "tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM", "unset")}
@@ -134,7 +136,8 @@ def markdown(result: dict) -> str:
   for name in ("encode_batch", "store"):
     lines.append(f"| {'bare `encode_batch`' if name == 'encode_batch' else 'file -> token store'} | "
                  f"{', '.join(f'{x:,.0f}' for x in r['examples_per_s'][name])} | {best[name]:,.0f} |")
-  lines += ["", f"**store / encode_batch: {r['store_over_encode_batch']:.2f}** (target: at least 0.8)", "",
+  lines += ["", f"**store / encode_batch: {r['store_over_encode_batch']:.2f}** "
+            f"(target: at least {TARGET_OVER_ENCODE})", "",
             "Each stage of the build timed alone, one after another, over the same records (the encode runs "
             "on the tokenizer's threads, the rest on Python's; the build overlaps the two):", "",
             "| stage | seconds | µs per record |", "| --- | ---: | ---: |"]

@@ -458,15 +458,16 @@ def test_cpu_run_names_its_files_by_cpu_and_reads_them_back():
 
 
 def test_cpu_run_holds_each_target_against_what_this_cpu_gave():
-  from benchmarks import cpu_run
+  from benchmarks import cpu_run, vs_torch
 
-  def step(jaxsft_s, eager, compiled, mfu):
+  def step(dtype, jaxsft_s, eager, compiled, mfu):  # a vs_torch result file's summary and verdicts
     per = {"jaxsft": {"step_s": jaxsft_s, "mfu": mfu}, "jaxsft_over_torch_eager": eager,
            "jaxsft_over_torch_compile": compiled}
-    return {"summary": {shape: per for shape in cpu_run.SHAPES}}
+    return {"summary": {shape: per for shape in cpu_run.SHAPES},
+            "targets": {shape: vs_torch.targets(per, "cpu", dtype) for shape in cpu_run.SHAPES}}
 
-  results = {"vs_torch_smollm2_f32": step(3.0, 1.17, 1.03, 0.74),
-             "vs_torch_smollm2_bf16": step(2.1, 1.31, 0.98, 0.59),
+  results = {"vs_torch_smollm2_f32": step("float32", 3.0, 1.17, 1.03, 0.74),
+             "vs_torch_smollm2_bf16": step("bfloat16", 2.1, 1.31, 0.98, 0.59),
              "compile_prediction_smollm2": {"rows": [
                  {"run": "held-out cold", "compiles_ratio": 1.03, "steps_ratio": 0.86},
                  {"run": "held-out warm", "compiles_ratio": 1.40, "steps_ratio": 0.84}]},
@@ -483,7 +484,8 @@ def test_cpu_run_holds_each_target_against_what_this_cpu_gave():
   assert amx[compiled]["met"] is False and amx[compiled]["required"] and not avx512_bf16[compiled]["required"]
   assert avx512_bf16["bfloat16 4x512: jaxsft over torch eager"]["required"]
   assert not by_name(("avx512f",))["bfloat16 4x512: jaxsft over torch eager"]["required"]
-  assert amx["float32 8x128: jaxsft over torch eager"]["met"] is True
+  eager = amx["float32 8x128: jaxsft over torch eager"]
+  assert eager["met"] is True and eager["value"] == 1.17 and eager["wanted"] == ">= 1.1"
   assert amx["float32 8x128: model FLOP rate over the single-matmul rate"]["met"] is False
   assert amx["compile seconds predicted over measured, held-out cold"]["met"] is True
   assert amx["compile seconds predicted over measured, held-out warm"]["met"] is False
