@@ -25,9 +25,9 @@ if TYPE_CHECKING:
 # (`add_run_dir`; train's stands among its key=value overrides, data's is `--cost-from RUN_DIR`, its
 # subject being a data file); and it exposes `main(argv) -> int`, the exit status. A module whose
 # process must end otherwise than by `sys.exit` after `main` returns also exposes
-# `exit_after_run(code)` (train: see `jaxsft.train.recipe`).
+# `exit_after_run(code)` (train: see `jaxsft.train.command`).
 COMMANDS = {
-    "train": ("jaxsft.train.recipe", "fine-tune a model (LoRA, QLoRA or full): writes a run directory"),
+    "train": ("jaxsft.train.command", "fine-tune a model (LoRA, QLoRA or full): writes a run directory"),
     "chat": ("jaxsft.chat", "talk to a run's tuned model, or answer a file of prompts"),
     "export": ("jaxsft.export", "the tuned model as one standalone model (HF folder or GGUF)"),
     "data": ("jaxsft.data.__main__", "data statistics and collation costs; build the token store"),

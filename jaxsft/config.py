@@ -20,8 +20,8 @@ from typing import Any
 
 from jaxsft.config_checks import (CHOICES, RANGES, check_choice, check_data_sources, check_range,  # noqa: F401
                                   validate)  # (config.validate, its tables, check_data_sources: re-exported)
+from jaxsft.config_checks import QUANT_BLOCK_SIZE
 from jaxsft.errors import ConfigError, one_line
-from jaxsft.quant.formats import DEFAULT_BLOCK
 
 
 DEFAULT_CONFIG = pathlib.Path(__file__).parent / "configs" / "default.yaml"
@@ -36,7 +36,7 @@ class ModelConfig:
   """Compute and frozen-weight dtype: auto (bfloat16 on a GPU/TPU, float32 on a CPU), float32 or bfloat16; LoRA params and optimizer state stay float32. On a CPU, bfloat16 means bfloat16 weights and products (on the CPU's bf16 units where it has them) with float32 activations between the products; the run's summary names the kernels that ran."""
   quantize: str = "none"
   """QLoRA: store the frozen base's projection kernels block-quantized and dequantize them inside the step, one layer at a time: none, int8, nf4 (QLoRA's NormalFloat), int4, or gguf (a .gguf model's own Q4_0/Q4_1/Q8_0 blocks, as llama.cpp serves them). Embeddings and LM head stay in `dtype` (see quantize_embeddings), norms too; LoRA only (mode=full is refused)."""
-  quant_block_size: int = DEFAULT_BLOCK
+  quant_block_size: int = QUANT_BLOCK_SIZE
   """Inputs per quantization block (one float16 scale each) for int8/nf4/int4: 32 costs NF4 4.5 bits a weight, 64 4.25 bits; gguf files fix theirs at 32."""
   quantize_embeddings: bool = False
   """With `quantize`: store the embedding table and LM head in the same format too (blocks along the hidden size; gguf: the file's own token_embd/output blocks). The lookup dequantizes the rows it takes, the LM head is dequantized whole for the logits. Off: they stay in `dtype`."""

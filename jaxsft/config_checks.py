@@ -31,6 +31,9 @@ BATCHING = ("static", "dynamic", "bucketed", "packed", "bucketed_packed")
 QUANTIZE_CHOICES = ("none", "int8", "nf4", "int4", "gguf")
 """`model.quantize`: none, a `jaxsft.quant.formats` format made at load time, or gguf (the
 file's own Q4_0 / Q4_1 / Q8_0 blocks)."""
+QUANT_BLOCK_SIZE = 32
+"""`model.quant_block_size` by default: inputs per block, 32, GGUF's own block, at 16-bit scales
+(`jaxsft.quant.formats.DEFAULT_BLOCK`)."""
 DTYPES = ("auto", "float32", "bfloat16")
 """`model.dtype`."""
 

@@ -17,9 +17,7 @@ import re
 import sys
 from typing import Any, Sequence
 
-import jax
 import numpy as np
-from flax import nnx
 
 _GSM8K = re.compile(r"####\s*([-+]?[\d,]*\.?\d+)")
 
@@ -62,6 +60,9 @@ def task_score(records: Sequence[dict], generations: Sequence[str]) -> dict[str,
 
 def base_of(model):
   """The same graph with every LoRA param zeroed: its outputs are exactly the base model's."""
+  import jax  # here, not at the top: `jaxsft evaluate --help` loads no JAX
+  from flax import nnx
+
   graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
   return nnx.merge(graphdef, jax.tree.map(jax.numpy.zeros_like, lora), rest)
 

@@ -18,7 +18,7 @@ import sys
 import time
 
 from jaxsft.train import checkpoints, loop
-from jaxsft.train.recipe import exit_after_run, main
+from jaxsft.train.command import exit_after_run, main
 
 
 def signal_at_step(step: int, signum: int) -> None:

@@ -35,6 +35,31 @@ def test_every_command_names_itself_jaxsft_command_and_takes_the_run_folder_as_r
     assert "python -m" not in r.stdout, name
 
 
+_LOADED_AFTER = """
+import sys
+from jaxsft import cli
+try:
+  status = cli.main(sys.argv[1:])
+except SystemExit as e:  # argparse's help and usage errors
+  status = e.code
+print(status, sorted(m for m in ("jax", "flax", "grain", "torch") if m in sys.modules))
+"""
+
+
+def test_help_and_a_refused_config_answer_before_jax_is_loaded():
+  """Every command reads its arguments before it imports what it runs: `--help`, a value the
+  config refuses or two keys it refuses together (one error line, status 2) load none of JAX,
+  Flax, Grain or torch."""
+  refused = {"optim.lr: 'abc' is not a valid float": ["train", "--lr", "abc"],
+             "data.mix and data.path are both set": ["train", "--data", "a.jsonl", "--data.mix", "b.jsonl=1"]}
+  cases = [([name, "--help"], "0", "") for name in cli.COMMANDS] + [(argv, "2", m) for m, argv in refused.items()]
+  for argv, status, message in cases:
+    r = subprocess.run([sys.executable, "-c", _LOADED_AFTER, *argv], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert r.stdout.splitlines()[-1] == f"{status} []", (argv, r.stdout[-500:], r.stderr[-2000:])
+    assert message in r.stderr, (argv, r.stderr[-2000:])
+
+
 def test_chat_and_export_share_one_set_of_model_flags():
   from jaxsft import chat, export
 

@@ -45,9 +45,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxsft.config_checks import QUANT_BLOCK_SIZE
+
 FORMATS = ("int8", "int4", "nf4", "q4_1")
 FOUR_BIT = ("int4", "nf4", "q4_1")
-DEFAULT_BLOCK = 32
+DEFAULT_BLOCK = QUANT_BLOCK_SIZE
 """Inputs per block by default (`model.quant_block_size`): 32, GGUF's own block, at 16-bit scales."""
 
 NF4_CODE = np.array([

@@ -11,7 +11,8 @@ batch shapes the run uses and what they cost is `jaxsft.collation`; what the run
 `jaxsft.run_files`. What stays fixed after setup is one frozen `Run`; everything the loop changes
 lives in one `RunState`.
 
-    recipe.py       `train`: setup → loop → finish, `main` (the command line)
+    command.py      `main`: the command line, its arguments read before the trainer is imported
+    recipe.py       `train`: setup → loop → finish; `run_command`, the command line's run
     startup.py      `Run`, `setup` and everything before step 1: data, model, adapters, warm-up, resume
     loop.py         `run_loop`: steps, late metrics, validation, checkpoints, `end_of_run`
     report.py       `finish` (curve, doctor, evaluation, summary), `ProgressBar`, the stderr log
@@ -21,13 +22,20 @@ lives in one `RunState`.
     preemption.py   `StopSignals`: SIGTERM / SIGINT finish the step, save a checkpoint and stop
     state.py        `RunState`, `TrainingError`, `RunResult`
 
-The package exports the recipe's entry points and what it returns; the parts are imported from
-the module that defines them.
+The package exports the entry points and what `train` returns, each imported on first use (so
+`python -m jaxsft.train --help` loads no JAX); the parts are imported from the module that
+defines them.
 """
 
 from __future__ import annotations
 
-from jaxsft.train.recipe import main, train
-from jaxsft.train.state import RunResult
+import importlib
 
-__all__ = ["RunResult", "main", "train"]
+_EXPORTS = {"main": "jaxsft.train.command", "train": "jaxsft.train.recipe", "RunResult": "jaxsft.train.state"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+  if name in _EXPORTS:
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""`python -m jaxsft.train`: the training command line, as `jaxsft train` (`jaxsft.train.recipe.main`)."""
+"""`python -m jaxsft.train`: the training command line, as `jaxsft train` (`jaxsft.train.command.main`)."""
 
 from jaxsft.cli import console
 

@@ -1,20 +1,16 @@
 """The recipe, read top to bottom: `train` sets the run up (`setup`, `start_or_resume`), runs the
-loop (`run_loop`, `end_of_run`) and finishes (`finish`), returning a `RunResult`; `main` is the
-command line, `python -m jaxsft.train`."""
+loop (`run_loop`, `end_of_run`) and finishes (`finish`), returning a `RunResult`; `run_command` is
+the command line's run of a config `jaxsft.train.command` has parsed."""
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import sys
-from typing import NoReturn
 
 import jax
 from flax import nnx
 
 from jaxsft import config as config_lib
-from jaxsft import config_args
 from jaxsft import errors
 from jaxsft import sharding as sharding_lib
 from jaxsft.train.checkpoints import quiet_orbax_failure_logs
@@ -91,15 +87,14 @@ def train_and_finish(run: Run, state: RunState, iterator, stop: StopSignals | No
   return result
 
 
-def main(argv: list[str] | None = None) -> int:
-  from jaxsft import quiet
-
-  quiet.silence_library_noise()
+def run_command(cfg: config_lib.TrainConfig) -> int:
+  """The training command line's run of a parsed `cfg` (`jaxsft.train.command.main`): logs to
+  stderr, stops cleanly on SIGTERM and SIGINT, returns the exit status (a refusal: one `error:`
+  line and 2)."""
   quiet_orbax_failure_logs()
   log_to_stderr()
 
-  def run() -> None:
-    cfg = config_args.parse_args(argv)
+  def run() -> int:
     if cfg.logging.quiet:  # errors only
       cfg.progress = False
       logging.getLogger("jaxsft").setLevel(logging.ERROR)
@@ -109,15 +104,3 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
   return errors.run_cli(run)
-
-
-def exit_after_run(code: int) -> NoReturn:
-  """Ends the process of a training command line with `code`."""
-  if code:
-    # A failed run has reported why and closed what it writes; what may be left are the failed
-    # writer threads of orbax and tensorstore (a full disk), and tearing the interpreter down
-    # beneath them can abort after the error line ("terminate called without an active exception").
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-  sys.exit(code)
