@@ -515,3 +515,20 @@ def test_cpu_run_relays_a_cells_lines_and_stops_it_at_its_limit(monkeypatch):
   assert result["status"] == "ran past its 3 s limit" and result["seconds"] < 20
   assert result["last_lines"] == ["line 0", "line 1", "line 2", "unset"]
   assert "   | line 2" in lines
+
+
+def test_cli_start_times_each_case_in_a_fresh_interpreter_and_tables_both_checkouts(monkeypatch, tmp_path):
+  from benchmarks import cli_start
+
+  seconds = iter(range(1, 100))
+  monkeypatch.setattr(cli_start, "CASES", {"train --help": ["jaxsft.train", "--help"]})
+  monkeypatch.setattr(cli_start, "time_case", lambda checkout, args: float(next(seconds)))
+  monkeypatch.setattr(common, "RESULTS", tmp_path)
+  assert cli_start.main(["--reps", "2", "--against", str(tmp_path), "--suffix", "_t"]) == 0
+  result = json.loads((tmp_path / "cli_start_t.json").read_text())
+  # interleaved: this, against, this, against
+  assert result["cases"]["train --help"]["this"]["all"] == [1.0, 3.0]
+  assert result["cases"]["train --help"]["against"]["all"] == [2.0, 4.0]
+  assert "| train --help | 2.00 (1.00) | 3.00 (2.00) | 1.5× |" in (tmp_path / "cli_start_t.md").read_text()
+  # a real case: the help answers, in a fresh interpreter of this checkout
+  assert 0 < cli_start.time_case(common.ROOT, ["jaxsft.doctor", "--help"]) < 120
