@@ -4,6 +4,7 @@ loads no jax, and quant sits below the models. A package's `__main__` is its com
 nothing imports it."""
 
 import ast
+import os
 import pathlib
 import subprocess
 import sys
@@ -150,3 +151,21 @@ def test_the_data_build_command_loads_no_jax(tiny_dir, small_data, tmp_path):
           f"'--cache-dir', {str(tmp_path)!r}]) == 0")
   assert _loaded_after(code) == "[]"
   assert any(tmp_path.iterdir())  # the store was built
+
+
+def test_a_gguf_models_tokenizer_loads_without_torch_as_autotokenizer_would_load_it(tokenizer):
+  """The GGUF's cached tokenizer loads as the class jaxsft wrote it as, without AutoTokenizer,
+  whose import brings in transformers' model configurations and torch where it is installed."""
+  import transformers
+
+  code = "import sys\nfrom jaxsft.models.hub import load_tokenizer\nload_tokenizer('smollm2-135m-instruct')"
+  out = subprocess.run([sys.executable, "-c", code + "\nprint('torch' in sys.modules)"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+  assert out.returncode == 0 and out.stdout.split()[-1] == "False", (out.stdout, out.stderr[-2000:])
+  from jaxsft.models.hub import resolve_model
+
+  auto = transformers.AutoTokenizer.from_pretrained(str(resolve_model("smollm2-135m-instruct").cache_dir / "tokenizer"))
+  assert type(auto) is type(tokenizer)
+  chat = [{"role": "user", "content": "Name 12 cats."}, {"role": "assistant", "content": "No.<|im_end|>"}]
+  assert auto.apply_chat_template(chat) == tokenizer.apply_chat_template(chat)
+  assert auto.special_tokens_map == tokenizer.special_tokens_map and len(auto) == len(tokenizer)

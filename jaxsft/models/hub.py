@@ -74,23 +74,29 @@ def resolve_model(name_or_path: str) -> ModelSource:
 
 
 def load_tokenizer(source: ModelSource | str):
-  """The tokenizer of a model, cached as Hugging Face files after the first GGUF load."""
-  from transformers import AutoTokenizer  # transformers is slow to import; only when needed
+  """The tokenizer of a model, cached as Hugging Face files after the first GGUF load.
 
+  A GGUF's cached tokenizer is the fast tokenizer jaxsft wrote itself, so it loads as that class
+  (`PreTrainedTokenizerFast`, what `AutoTokenizer` would pick from its files); `AutoTokenizer`,
+  which a model folder or hub id needs for its own tokenizer class, imports transformers' model
+  configurations and with them torch where torch is installed: seconds at every start."""
   if isinstance(source, str):
     source = resolve_model(source)
   if source.gguf_file is None:
+    from transformers import AutoTokenizer  # transformers is slow to import; only when needed
+
     if not source.is_hub_id:
       from jaxsft.models.families import read_hf_config
 
       read_hf_config(source.path, architecture_only=True)  # an unsupported architecture is named before its tokenizer loads
     return AutoTokenizer.from_pretrained(source.path)
-  cached = source.cache_dir / "tokenizer"
-  if (cached / "tokenizer_config.json").is_file():
-    return AutoTokenizer.from_pretrained(str(cached))
-  from jaxsft.models.gguf.tokenizer import tokenizer_from_gguf
+  from transformers import PreTrainedTokenizerFast
 
-  tokenizer = tokenizer_from_gguf(os.path.join(source.path, source.gguf_file))
-  # Swapped in whole: a half-written cache is never read (a racing process writes the same files).
-  io.replace_directory(cached, lambda tmp: tokenizer.save_pretrained(str(tmp)))
-  return AutoTokenizer.from_pretrained(str(cached))
+  cached = source.cache_dir / "tokenizer"
+  if not (cached / "tokenizer_config.json").is_file():
+    from jaxsft.models.gguf.tokenizer import tokenizer_from_gguf
+
+    tokenizer = tokenizer_from_gguf(os.path.join(source.path, source.gguf_file))
+    # Swapped in whole: a half-written cache is never read (a racing process writes the same files).
+    io.replace_directory(cached, lambda tmp: tokenizer.save_pretrained(str(tmp)))
+  return PreTrainedTokenizerFast.from_pretrained(str(cached))
