@@ -15,6 +15,13 @@ the verdict: each target beside what this CPU gave.
                       compile_prediction_smollm2_<tag>)
   store_build         the token store against the bare `encode_batch`, 200,000 mixed records
                       (`benchmarks.store_build`; store_build_<tag>)
+  profile_f32         the float32 8x128 step op by op in XLA's profile (`benchmarks.step_profile`;
+                      step_profile_smollm2_f32_8x128_<tag>)
+  profile_bf16        the same in bfloat16 (step_profile_smollm2_bf16_8x128_<tag>)
+
+The step cells also time the step's parts (attention, frozen projections, LM head and loss, the
+layers' backward) alone on both sides (`vs_torch --profile`), so that where a target is missed
+the verdict shows where the step's time goes, op by op and part by part against torch.
 
 TAG names the CPU in every file, so that runs on different CPUs sit side by side: by default the
 vendor and its best matrix unit (`cpu_tag`: intel_amx, amd_avx512_bf16, amd_avx2, ...). Each cell
@@ -53,6 +60,7 @@ from jaxsft.matmul import cpu_features  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 SHAPES = ("8x128", "4x512")
+PROFILED_SHAPE = "8x128"
 BF16_OVER_F32 = 1.5
 """bfloat16's step against the same machine's float32 step, where the CPU has AMX tiles (the
 other targets are their benchmarks': `vs_torch.targets`, `compile_prediction`, `store_build`)."""
@@ -75,7 +83,11 @@ class Cell:
       dtype = "bfloat16" if self.name.endswith("bf16") else "float32"
       return [python, "-m", "benchmarks.vs_torch", "--model", MODEL, "--dtype", dtype, "--shapes", *SHAPES,
               "--steps", "6", "--reps", str(reps), "--frameworks", "jaxsft", "torch_eager", "torch_compile",
-              "--compile-timeout", "600", "--suffix", self.stem.removeprefix("vs_torch") + suffix]
+              "--compile-timeout", "600", "--profile", "--suffix", self.stem.removeprefix("vs_torch") + suffix]
+    if self.name.startswith("profile"):
+      dtype = "bfloat16" if self.name.endswith("bf16") else "float32"
+      return [python, "-m", "benchmarks.step_profile", "--model", "smollm2-135m", "--dtype", dtype, "--shape",
+              PROFILED_SHAPE, "--steps", "3", "--suffix", self.stem.removeprefix("step_profile") + suffix]
     if self.name == "compile_prediction":
       return [python, "-m", "benchmarks.compile_prediction", "--steps", "10", "--suffix", "_smollm2" + suffix]
     return [python, "-m", "benchmarks.store_build", "--records", "200000", "--reps", "3", "--suffix", suffix]
@@ -92,6 +104,8 @@ CELLS = (
     Cell("compile_prediction", "the cost model's compile and step seconds against a run's, cold and warm",
          2700, "compile_prediction_smollm2"),
     Cell("store_build", "the token store against the bare encode_batch, 200,000 records", 2700, "store_build"),
+    Cell("profile_f32", f"the float32 {PROFILED_SHAPE} step op by op", 1800, f"step_profile_smollm2_f32_{PROFILED_SHAPE}"),
+    Cell("profile_bf16", f"the bfloat16 {PROFILED_SHAPE} step op by op", 1800, f"step_profile_smollm2_bf16_{PROFILED_SHAPE}"),
 )
 
 
@@ -198,6 +212,38 @@ def targets(results: dict[str, dict | None], flags: tuple[str, ...]) -> list[dic
   return rows
 
 
+def where_the_time_goes(results: dict[str, dict | None]) -> list[dict]:
+  """Per dtype, the profiled step's wall time and op time by group (`benchmarks.step_profile`)
+  and each part timed alone on both sides (`vs_torch --profile`), where their files hold them."""
+  out = []
+  for dtype, short in (("float32", "f32"), ("bfloat16", "bf16")):
+    profile = results.get(f"step_profile_smollm2_{short}_{PROFILED_SHAPE}") or {}
+    parts = ((results.get(f"vs_torch_smollm2_{short}") or {}).get("profile") or {}).get(PROFILED_SHAPE, {})
+    if profile or parts:
+      out.append({"dtype": dtype, "step_wall_s": profile.get("step_wall_s"), "groups": profile.get("groups", {}),
+                  "matmul_path": profile.get("matmul_path"), "parts": parts})
+  return out
+
+
+def _time_markdown(rows: list[dict]) -> list[str]:
+  lines = []
+  for r in rows:
+    lines += [f"## Where the {r['dtype']} {PROFILED_SHAPE} step's time goes", ""]
+    if r["groups"]:
+      lines += [f"XLA's profile of jaxsft's step: {r['step_wall_s']:.3f} s wall while traced; {r['matmul_path']}. "
+                "Op time by group (ops overlap, so the groups add up to more than the wall time): "
+                + ", ".join(f"{group} {seconds:.3f} s" for group, seconds in r["groups"].items()) + ".", ""]
+    if r["parts"]:
+      lines += ["Each part timed alone, forward + backward (median s):", "",
+                "| part | jaxsft | torch eager | torch / jaxsft |", "| --- | ---: | ---: | ---: |"]
+      for part, seconds in r["parts"].items():
+        j, t = seconds.get("jaxsft"), seconds.get("torch")
+        lines.append(f"| {part} | {'' if j is None else f'{j:.3f}'} | {'' if t is None else f'{t:.3f}'} | "
+                     f"{f'{t / j:.2f}' if j and t else ''} |")
+      lines.append("")
+  return lines
+
+
 def markdown(result: dict) -> str:
   tag = result["tag"]
   lines = [f"# The CPU run on {tag}", "", f"`{result['command']}`", "",
@@ -208,7 +254,8 @@ def markdown(result: dict) -> str:
     met = "" if r["met"] is None else ("yes" if r["met"] else "**no**")
     lines.append(f"| {r['target']} | {value} | {r['wanted']} | {met} | {'yes' if r['required'] else 'no'} | "
                  f"`{r['source'].replace(', ', f'_{tag}`, `')}_{tag}` |")
-  lines += ["", "Each cell's last run (with `--only`, the other cells are those of an earlier call):", "",
+  lines += [""] + _time_markdown(result.get("time", []))
+  lines += ["Each cell's last run (with `--only`, the other cells are those of an earlier call):", "",
             "| cell | status | started | seconds | command |", "| --- | --- | --- | ---: | --- |"]
   for c in result["cells"]:
     lines.append(f"| {c['cell']} | {c['status']} | {c['started_at']} | {c['seconds']:.0f} | `{c['command']}` |")
@@ -235,7 +282,7 @@ def main(argv=None) -> int:
     by_name = {c["cell"]: c for c in ran}
   result = {"command": command, "tag": args.tag, "machine": machine,
             "cells": [by_name[c.name] for c in CELLS if c.name in by_name],
-            "targets": targets(results, tuple(machine.get("cpu_flags", ())))}
+            "targets": targets(results, tuple(machine.get("cpu_flags", ()))), "time": where_the_time_goes(results)}
   common.write_results(f"cpu_run_{args.tag}", result, markdown(result))
   missed = [r["target"] for r in result["targets"] if r["required"] and r["met"] is False]
   log(f"cpu_run: {sum(c['status'] == 'ok' for c in ran)}/{len(ran)} cells ok; {len(missed)} required targets missed"

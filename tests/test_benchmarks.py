@@ -499,6 +499,22 @@ def test_cpu_run_holds_each_target_against_what_this_cpu_gave():
   assert "| token store build over the bare encode_batch | not measured |" in text
 
 
+def test_cpu_run_shows_where_the_profiled_steps_time_goes():
+  from benchmarks import cpu_run
+
+  results = {"step_profile_smollm2_f32_8x128": {"step_wall_s": 3.5, "matmul_path": "float32 products",
+                                                "groups": {"library products": 3.1, "everything else": 0.8}},
+             "vs_torch_smollm2_f32": {"profile": {"8x128": {"attention": {"jaxsft": 0.25, "torch": 0.5}}}},
+             "vs_torch_smollm2_bf16": {"summary": {}}}  # a bfloat16 run without --profile: no section
+  rows = cpu_run.where_the_time_goes(results)
+  assert [r["dtype"] for r in rows] == ["float32"]
+  text = cpu_run.markdown({"tag": "t", "command": "c", "cells": [], "targets": [], "time": rows,
+                           "machine": common.machine_info()})
+  assert "## Where the float32 8x128 step's time goes" in text
+  assert "library products 3.100 s, everything else 0.800 s" in text
+  assert "| attention | 0.250 | 0.500 | 2.00 |" in text
+
+
 def test_cpu_run_relays_a_cells_lines_and_stops_it_at_its_limit(monkeypatch):
   from benchmarks import cpu_run
 
