@@ -324,7 +324,9 @@ def jax_parts(workdir, meta, shape, dtype) -> dict:
   from jaxsft import loss as loss_lib
   from jaxsft import lora
   from jaxsft import step as step_lib
+  from jaxsft.matmul import matmul
   from jaxsft.models.attention import ATTENTION, attention_mask_4d, self_attention
+  from jaxsft.models.decoder import activation_dtype
 
   batch = _load_batches(workdir, shape)[0]
   parts = {}
@@ -341,7 +343,9 @@ def jax_parts(workdir, meta, shape, dtype) -> dict:
   ids, mask, labels = (jnp.asarray(batch[k]) for k in ("input_ids", "attention_mask", "labels"))
   b, t = ids.shape
   rng = np.random.default_rng(0)
-  ct_h = jnp.asarray(rng.standard_normal((b, t, cfg.hidden_size)), model.dtype)
+  # The activations in the dtype the step has them in: float32 between 16-bit products on a CPU.
+  act = activation_dtype(model.dtype)
+  ct_h = jnp.asarray(rng.standard_normal((b, t, cfg.hidden_size)), act)
   sync = jax.block_until_ready
 
   # The frozen base is an argument, as in the training step: closed over, XLA would fold it as a constant.
@@ -359,10 +363,10 @@ def jax_parts(workdir, meta, shape, dtype) -> dict:
   parts["decoder layers, fwd+bwd (LoRA grads)"] = _median_time(lambda: decoder_backward(lora_state, frozen), sync)
 
   d, n, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-  q = jnp.asarray(rng.standard_normal((b, t, n, d)), model.dtype)
-  k, v = (jnp.asarray(rng.standard_normal((b, t, kv, d)), model.dtype) for _ in range(2))
+  q = jnp.asarray(rng.standard_normal((b, t, n, d)), act)
+  k, v = (jnp.asarray(rng.standard_normal((b, t, kv, d)), act) for _ in range(2))
   mask4d = attention_mask_4d(b, t, mask, None, None)
-  ct_a = jnp.asarray(rng.standard_normal((b, t, n, d)), model.dtype)
+  ct_a = jnp.asarray(rng.standard_normal((b, t, n, d)), act)
   attn_layer = model.layers.self_attn
 
   def attention(q, k, v):  # what a layer runs without a cache
@@ -373,22 +377,23 @@ def jax_parts(workdir, meta, shape, dtype) -> dict:
   attn = jax.jit(jax.grad(lambda q, k, v: jnp.vdot(attention(q, k, v), ct_a), argnums=(0, 1, 2)))
   parts[f"attention alone x {cfg.num_layers} layers, fwd+bwd"] = cfg.num_layers * _median_time(lambda: attn(q, k, v), sync)
 
-  # The frozen projections alone: y = x @ W for a layer's seven kernels, differentiated w.r.t. x
-  # only (the matmuls of the backward through frozen weights), times the number of layers.
+  # The frozen projections alone: y = x W for a layer's seven kernels (the step's own product,
+  # `jaxsft.matmul.matmul`), differentiated w.r.t. x only (the matmuls of the backward through
+  # frozen weights), times the number of layers.
   layer = model.layers
   kernels = {name: getattr(getattr(layer, group), name).kernel[...][0]
              for group, names in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
                                   ("mlp", ("gate_proj", "up_proj", "down_proj"))) for name in names}
-  xs = {name: jnp.asarray(rng.standard_normal((b * t, w.shape[0])), model.dtype) for name, w in kernels.items()}
-  cts = {name: jnp.asarray(rng.standard_normal((b * t, w.shape[1])), model.dtype) for name, w in kernels.items()}
+  xs = {name: jnp.asarray(rng.standard_normal((b * t, w.shape[0])), act) for name, w in kernels.items()}
+  cts = {name: jnp.asarray(rng.standard_normal((b * t, w.shape[1])), act) for name, w in kernels.items()}
   # value_and_grad: the forward products are needed (a bare grad of this linear function would be
   # just ct @ W^T, which XLA would keep alone).
-  projections = jax.jit(jax.value_and_grad(lambda xs, ws: sum(jnp.vdot(xs[n] @ ws[n], cts[n]) for n in ws)))
+  projections = jax.jit(jax.value_and_grad(lambda xs, ws: sum(jnp.vdot(matmul(xs[n], ws[n]), cts[n]) for n in ws)))
   parts[f"frozen projections alone x {cfg.num_layers} layers, fwd+bwd"] = cfg.num_layers * _median_time(
       lambda: projections(xs, kernels), sync)
 
   emb = model.output_embedding()
-  hidden = jnp.asarray(rng.standard_normal((b, t, cfg.hidden_size)), model.dtype)
+  hidden = jnp.asarray(rng.standard_normal((b, t, cfg.hidden_size)), act)
   head = jax.jit(jax.grad(lambda h, e: loss_lib.trained_cross_entropy_sum(h, e, labels,
                                                                          chunk_size=step_lib.loss_chunk_size())[0]))
   parts[f"LM head + loss ({cfg.vocab_size:,} vocab), fwd+bwd"] = _median_time(lambda: head(hidden, emb), sync)
