@@ -104,8 +104,8 @@ CELLS = (
     Cell("compile_prediction", "the cost model's compile and step seconds against a run's, cold and warm",
          2700, "compile_prediction_smollm2"),
     Cell("store_build", "the token store against the bare encode_batch, 200,000 records", 2700, "store_build"),
-    Cell("profile_f32", f"the float32 {PROFILED_SHAPE} step op by op", 1800, f"step_profile_smollm2_f32_{PROFILED_SHAPE}"),
-    Cell("profile_bf16", f"the bfloat16 {PROFILED_SHAPE} step op by op", 1800, f"step_profile_smollm2_bf16_{PROFILED_SHAPE}"),
+    Cell("profile_f32", f"the float32 {PROFILED_SHAPE} step op by op", 600, f"step_profile_smollm2_f32_{PROFILED_SHAPE}"),
+    Cell("profile_bf16", f"the bfloat16 {PROFILED_SHAPE} step op by op", 600, f"step_profile_smollm2_bf16_{PROFILED_SHAPE}"),
 )
 
 
