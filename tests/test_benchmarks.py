@@ -140,6 +140,24 @@ def test_vs_torch_runs_both_frameworks_on_the_same_batches():
   assert per["jaxsft"]["xla_flops"] > 0  # the compiled step's cost analysis is recorded
 
 
+@pytest.mark.slow
+def test_vs_torch_profile_times_every_part_on_both_sides_in_bfloat16():
+  """`--profile`: each part of the step alone, jaxsft's through the step's own products and
+  activation dtype (float32 between bfloat16 products on a CPU), torch's through its modules."""
+  pytest.importorskip("torch")
+  pytest.importorskip("peft")
+  from benchmarks import vs_torch
+
+  result = vs_torch.run_comparison(model_name="tiny", shapes=[(4, 64)], steps=2, reps=1, dtype="bfloat16",
+                                   device="cpu", threads=2, frameworks=("jaxsft",), timeout=300, measure_peak=False,
+                                   profile=True, log=lambda s: None)
+  parts = result["profile"]["4x64"]
+  assert {"full train step", "attention alone x 2 layers, fwd+bwd", "frozen projections alone x 2 layers, fwd+bwd",
+          "LM head + loss (49,152 vocab), fwd+bwd"} <= set(parts)
+  for part, seconds in parts.items():
+    assert seconds.get("jaxsft", 0) > 0 and seconds.get("torch", 0) > 0, (part, seconds)
+
+
 def test_vs_torch_keeps_contended_runs_out_of_the_summary():
   """A run that started with the load above threads + 1.0 is left out when a quiet run of the
   same cell exists, and marks the cell when none does; median and min are both reported."""
