@@ -215,10 +215,10 @@ def targets(results: dict[str, dict | None], flags: tuple[str, ...]) -> list[dic
 def where_the_time_goes(results: dict[str, dict | None]) -> list[dict]:
   """Per dtype, the profiled step's wall time and op time by group (`benchmarks.step_profile`)
   and each part timed alone on both sides (`vs_torch --profile`), where their files hold them."""
-  out = []
+  stems, out = {c.name: c.stem for c in CELLS}, []
   for dtype, short in (("float32", "f32"), ("bfloat16", "bf16")):
-    profile = results.get(f"step_profile_smollm2_{short}_{PROFILED_SHAPE}") or {}
-    parts = ((results.get(f"vs_torch_smollm2_{short}") or {}).get("profile") or {}).get(PROFILED_SHAPE, {})
+    profile = results.get(stems[f"profile_{short}"]) or {}
+    parts = ((results.get(stems[f"step_{short}"]) or {}).get("profile") or {}).get(PROFILED_SHAPE, {})
     if profile or parts:
       out.append({"dtype": dtype, "step_wall_s": profile.get("step_wall_s"), "groups": profile.get("groups", {}),
                   "matmul_path": profile.get("matmul_path"), "parts": parts})

@@ -18,9 +18,8 @@ import types
 import typing
 from typing import Any
 
-from jaxsft.config_checks import (CHOICES, RANGES, check_choice, check_data_sources, check_range,  # noqa: F401
-                                  validate)  # (config.validate, its tables, check_data_sources: re-exported)
-from jaxsft.config_checks import QUANT_BLOCK_SIZE
+from jaxsft.config_checks import (CHOICES, QUANT_BLOCK_SIZE, RANGES, check_choice, check_data_sources,  # noqa: F401
+                                  check_range, validate)  # (config.validate, its tables, check_data_sources: re-exported)
 from jaxsft.errors import ConfigError, one_line
 
 

@@ -49,8 +49,7 @@ from jaxsft.config_checks import QUANT_BLOCK_SIZE
 
 FORMATS = ("int8", "int4", "nf4", "q4_1")
 FOUR_BIT = ("int4", "nf4", "q4_1")
-DEFAULT_BLOCK = QUANT_BLOCK_SIZE
-"""Inputs per block by default (`model.quant_block_size`): 32, GGUF's own block, at 16-bit scales."""
+DEFAULT_BLOCK = QUANT_BLOCK_SIZE  # `model.quant_block_size`'s default, kept with the config's other values
 
 NF4_CODE = np.array([
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,

@@ -2,8 +2,8 @@
 
 The arguments are read and the config checked (`jaxsft.config.validate`: choices, ranges, the
 rules between keys) before the trainer is imported, so `--help`, a mistyped key or a refused
-value answers at once, without loading JAX, Flax or Grain; a run then imports the trainer (`jaxsft.train.recipe.run_command`) once, in the
-process that trains.
+value answers at once, without loading JAX, Flax or Grain; a run then imports the trainer
+(`jaxsft.train.recipe.run_command`) once, in the process that trains.
 """
 
 from __future__ import annotations
