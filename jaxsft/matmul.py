@@ -57,6 +57,14 @@ def uses_16bit_kernels(dtype) -> bool:
           and any(f in BF16_UNITS for f in _this_cpu()) and library_takes_16bit_products())
 
 
+def product_dtype(activation_dtype, weight_dtype) -> jnp.dtype:
+  """The operand dtype of the products between two activations (the attention's) in a model with
+  `weight_dtype` weights: that 16-bit dtype where the CPU's 16-bit kernels serve it
+  (`uses_16bit_kernels`: the activations are float32 there, rounded at each product), else the
+  activations' own."""
+  return jnp.dtype(weight_dtype) if uses_16bit_kernels(weight_dtype) else jnp.dtype(activation_dtype)
+
+
 def _accumulates_in_float32(x: jax.Array, w: jax.Array) -> bool:
   """Whether (x, w) take the float32-accumulating 16-bit path: a weight on the 16-bit kernels
   (`uses_16bit_kernels`), x in its dtype or float32 (rounded to it at the product)."""

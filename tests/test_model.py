@@ -193,6 +193,67 @@ def test_causal_block_attention_backward_equals_dense_autodiff(sliding_window):
     np.testing.assert_allclose(np.asarray(block_grad), np.asarray(dense_grad), rtol=1e-5, atol=1e-5)
 
 
+def _attention_on_rounded_operands(q, k, v, mask, scale):
+  """Attention whose products take bfloat16 operands and accumulate in float32: q, k, v and the
+  probabilities rounded to bf16, scores and softmax in float32 (PyTorch's bf16 attention)."""
+  r = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
+  b, t, n, d = q.shape
+  kv = k.shape[2]
+  qg = r(q).reshape(b, t, kv, n // kv, d)
+  scores = jnp.einsum("btkgd,bskd->bkgts", qg, r(k)) * scale
+  probs = jax.nn.softmax(jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min), axis=-1)
+  return jnp.einsum("bkgts,bskd->btkgd", r(probs), r(v)).reshape(b, t, n, d)
+
+
+def test_causal_block_attention_on_bfloat16_operands():
+  """`operand_dtype=bfloat16` on float32 q, k, v (a bf16 model on a CPU): the output is that of
+  attention on bf16-rounded operands, not the float32 one; output and gradients stay float32
+  and within bf16 rounding of the float32 path's."""
+  rng = np.random.default_rng(1)
+  b, t, n, kv, d = 2, 40, 6, 2, 8
+  q = jnp.asarray(rng.standard_normal((b, t, n, d)), jnp.float32)
+  k, v = (jnp.asarray(rng.standard_normal((b, t, kv, d)), jnp.float32) for _ in range(2))
+  mask = attention_mask_4d(b, t, None, None, None)
+  w = jnp.asarray(rng.standard_normal((b, t, n, d)), jnp.float32)
+
+  def attend(operand_dtype):
+    return lambda q, k, v: causal_block_attention(q, k, v, mask, 0.3, block=16, sliding_window=None,
+                                                  operand_dtype=operand_dtype)
+
+  with jax.default_matmul_precision("highest"):
+    out16, out32 = attend(jnp.bfloat16)(q, k, v), attend(None)(q, k, v)
+    want = _attention_on_rounded_operands(q, k, v, mask, 0.3)
+    g16 = jax.grad(lambda *a: jnp.sum(w * attend(jnp.bfloat16)(*a)), (0, 1, 2))(q, k, v)
+    g32 = jax.grad(lambda *a: jnp.sum(w * attend(None)(*a)), (0, 1, 2))(q, k, v)
+  assert out16.dtype == jnp.float32 and all(g.dtype == jnp.float32 for g in g16)
+  np.testing.assert_allclose(np.asarray(out16), np.asarray(want), rtol=1e-5, atol=1e-5)
+  assert float(jnp.abs(out16 - out32).max()) > 1e-3  # the bf16 operands were used
+  for a, ref in zip(g16, g32):
+    assert float(jnp.linalg.norm(a - ref) / jnp.linalg.norm(ref)) < 2e-2
+
+
+def test_bfloat16_model_runs_its_attention_on_the_product_kernels_dtype(monkeypatch):
+  """A bf16 model hands its attention bf16 operands where the CPU's 16-bit kernels serve bf16,
+  and its own activation dtype (float32) where they do not; a float32 model float32."""
+  from jaxsft import matmul as matmul_lib
+
+  seen = []
+  original = decoder.self_attention
+
+  def spy(*args, operand_dtype=None, **kwargs):
+    seen.append(jnp.dtype(operand_dtype))
+    return original(*args, operand_dtype=operand_dtype, **kwargs)
+
+  monkeypatch.setattr(decoder, "self_attention", spy)
+  x = ids(1, 8)
+  for units, dtype, want in [(True, "bfloat16", jnp.bfloat16), (False, "bfloat16", jnp.float32),
+                             (True, "float32", jnp.float32)]:
+    monkeypatch.setattr(matmul_lib, "uses_16bit_kernels", lambda d, units=units: units and jnp.dtype(d) == jnp.bfloat16)
+    seen.clear()
+    decoder.init_random(TINY, dtype=dtype, seed=0)(x)
+    assert seen and set(seen) == {jnp.dtype(want)}, (units, dtype, seen)
+
+
 def test_causal_block_skipping_computes_less():
   """At T = 4 blocks the attention does 10/16 of the dense score work (XLA's own flop count)."""
   b, t, n, d = 2, 64, 4, 8

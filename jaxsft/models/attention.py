@@ -99,7 +99,8 @@ def auto_causal_block(length: int) -> int:
   return min(128, max(64, -(-length // 32) * 8))
 
 
-def causal_block_attention(q, k, v, mask, scale, *, block: int | None, sliding_window: int | None):
+def causal_block_attention(q, k, v, mask, scale, *, block: int | None, sliding_window: int | None,
+                           operand_dtype=None):
   """`dense_attention` of causal self-attention, query block by query block, over only the keys
   a block can see: [max(0, start - window + 1), stop) for queries [start, stop).
 
@@ -113,13 +114,20 @@ def causal_block_attention(q, k, v, mask, scale, *, block: int | None, sliding_w
   heads of G queries each, so every block is a slice and the grouped products need no further
   copies; the softmax is float32 and masked keys get `dense_attention`'s large negative score.
   The backward pass is FlashAttention's (`_block_attention_bwd`).
+
+  `operand_dtype` (None: q's dtype) is the dtype every product takes its operands in: q, k, v,
+  the probabilities and the output's cotangent are rounded to it, and each product accumulates
+  in float32. A bfloat16 model on a CPU has float32 activations but bf16 product kernels
+  (`jaxsft.matmul.product_dtype`): its attention then runs on those kernels, as PyTorch's
+  attention does on a bf16 model. The output and the gradients keep q's dtype.
   """
   b, t, n, d = q.shape
   kv_heads = k.shape[2]
   qh = q.reshape(b, t, kv_heads, n // kv_heads, d).transpose(0, 2, 3, 1, 4)
   kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
   blocks = query_blocks(t, auto_causal_block(t) if block is None else block, sliding_window)
-  out = _block_attention(qh, kh, vh, mask, float(scale), blocks)
+  operands = jnp.dtype(q.dtype if operand_dtype is None else operand_dtype)
+  out = _block_attention(qh, kh, vh, mask, float(scale), blocks, operands)
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, d)
 
 
@@ -148,8 +156,11 @@ def _block_scores(qh, kh, mask, scale, first_key, start, stop):
   return jnp.where(mask[:, :, None, start:stop, first_key:stop], scores, _MASKED_SCORE)
 
 
-def _block_attention_fwd(qh, kh, vh, mask, scale, blocks):
-  """Softmax(Q Kᵀ · scale) V block by block; saves each query's row maximum and 1 / row sum."""
+def _block_attention_fwd(qh, kh, vh, mask, scale, blocks, operands):
+  """Softmax(Q Kᵀ · scale) V block by block, the products on `operands`; saves each query's row
+  maximum and 1 / row sum."""
+  out_dtype = qh.dtype
+  qh, kh, vh = qh.astype(operands), kh.astype(operands), vh.astype(operands)
   b, kv_heads, groups, _, d = qh.shape
   outs, maxes, inv_sums = [], [], []
   for first_key, start, stop in blocks:
@@ -158,7 +169,8 @@ def _block_attention_fwd(qh, kh, vh, mask, scale, blocks):
     exp = jnp.exp(scores - row_max)
     inv_sum = 1.0 / jnp.sum(exp, axis=-1, keepdims=True)
     probs = (exp * inv_sum).astype(vh.dtype).reshape(b, kv_heads, -1, stop - first_key)
-    out = jnp.einsum("bkms,bksd->bkmd", probs, vh[:, :, first_key:stop])
+    out = jnp.einsum("bkms,bksd->bkmd", probs, vh[:, :, first_key:stop],
+                     preferred_element_type=jnp.float32).astype(out_dtype)
     outs.append(out.reshape(b, kv_heads, groups, stop - start, d))
     maxes.append(row_max)
     inv_sums.append(inv_sum)
@@ -169,15 +181,16 @@ def _block_attention_fwd(qh, kh, vh, mask, scale, blocks):
   return out, (qh, kh, vh, mask, out, row_max, inv_sum)
 
 
-def _block_attention_bwd(scale, blocks, residuals, d_out):
+def _block_attention_bwd(scale, blocks, operands, residuals, d_out):
   """FlashAttention's backward pass, block by block, with P = exp(S - max) / sum recomputed
   from the saved row statistics and Δ = rowsum(dO ⊙ O) (= rowsum(dP ⊙ P)):
     dV = Pᵀ dO,   dS = P ⊙ (dO Vᵀ - Δ) · scale,   dQ = dS K,   dK = dSᵀ Q.
-  dV and dK are computed transposed, (dOᵀ P)ᵀ and (Qᵀ dS)ᵀ, from (D, G·t) copies of the small
-  operands: every product then contracts a minor axis of its first operand."""
-  qh, kh, vh, mask, out, row_max, inv_sum = residuals
+  dV and dK are accumulated transposed, (dOᵀ P)ᵀ and (Qᵀ dS)ᵀ, as (D, S) sums over the blocks."""
+  qh, kh, vh, mask, out, row_max, inv_sum = residuals  # qh, kh, vh already in `operands`
   b, kv_heads, groups, _, d = qh.shape
+  grad_dtype = d_out.dtype  # the output's dtype, and so q's, k's and v's
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+  d_out = d_out.astype(operands)
   dq_blocks = []
   dk_t = jnp.zeros((b, kv_heads, d, kh.shape[2]), jnp.float32)
   dv_t = jnp.zeros((b, kv_heads, d, vh.shape[2]), jnp.float32)
@@ -199,12 +212,13 @@ def _block_attention_bwd(scale, blocks, residuals, d_out):
         "bkdm,bkms->bkds", _block_rows(qh, start, stop).swapaxes(2, 3), d_scores,
         preferred_element_type=jnp.float32))
   dq = jnp.concatenate(dq_blocks, axis=3)
-  return (dq.astype(qh.dtype), dk_t.swapaxes(2, 3).astype(kh.dtype), dv_t.swapaxes(2, 3).astype(vh.dtype), None)
+  return (dq.astype(grad_dtype), dk_t.swapaxes(2, 3).astype(grad_dtype), dv_t.swapaxes(2, 3).astype(grad_dtype),
+          None)
 
 
-_block_attention = jax.custom_vjp(lambda qh, kh, vh, mask, scale, blocks:
-                                  _block_attention_fwd(qh, kh, vh, mask, scale, blocks)[0],
-                                  nondiff_argnums=(4, 5))
+_block_attention = jax.custom_vjp(lambda qh, kh, vh, mask, scale, blocks, operands:
+                                  _block_attention_fwd(qh, kh, vh, mask, scale, blocks, operands)[0],
+                                  nondiff_argnums=(4, 5, 6))
 _block_attention.defvjp(_block_attention_fwd, _block_attention_bwd)
 
 
@@ -217,18 +231,20 @@ def cudnn_attention(q, k, v, mask, scale, *, sliding_window: int | None):
                                       local_window_size=window, implementation="cudnn")
 
 
-def self_attention(q, k, v, mask, scale, *, block: int | None, sliding_window: int | None):
+def self_attention(q, k, v, mask, scale, *, block: int | None, sliding_window: int | None,
+                   operand_dtype=None):
   """Causal self-attention (no cache) by the fastest path the backend offers.
 
   GPU with bfloat16/float16: cuDNN (`cudnn_attention`); anywhere else, or when cuDNN refuses
-  the shapes while tracing: `causal_block_attention`.
+  the shapes while tracing: `causal_block_attention`, its products on `operand_dtype` (None: q's).
   """
   if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
     try:
       return cudnn_attention(q, k, v, mask, scale, sliding_window=sliding_window)
     except (NotImplementedError, ValueError, RuntimeError):  # e.g. a head size cuDNN lacks
       pass
-  return causal_block_attention(q, k, v, mask, scale, block=block, sliding_window=sliding_window)
+  return causal_block_attention(q, k, v, mask, scale, block=block, sliding_window=sliding_window,
+                                operand_dtype=operand_dtype)
 
 
 def xla_attention(q, k, v, mask, scale):

@@ -137,6 +137,7 @@ class Attention(nnx.Module):
     self.fused = config.fused_projections
     self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
     self.scale = config.attention_scale
+    self.weight_dtype = jnp.dtype(dtype)
     self.attention = attention
     self.causal_block = causal_block
     # static window for block skipping / cuDNN: the layers' common window (with windows that
@@ -176,7 +177,8 @@ class Attention(nnx.Module):
       cache = cache.write(k, v, cache_start)
       out = ATTENTION[self.attention](q, cache.keys, cache.values, mask, self.scale)
     elif self.attention == "xla":  # causal self-attention: `mask` is causal (attention_mask_4d)
-      out = self_attention(q, k, v, mask, self.scale, block=self.causal_block, sliding_window=self.sliding_window)
+      out = self_attention(q, k, v, mask, self.scale, block=self.causal_block, sliding_window=self.sliding_window,
+                           operand_dtype=matmul_lib.product_dtype(q.dtype, self.weight_dtype))
     else:
       out = ATTENTION[self.attention](q, k, v, mask, self.scale)
     return self.o_proj(out.reshape(b, t, -1), dropout_rng), cache
