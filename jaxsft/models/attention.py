@@ -95,7 +95,7 @@ def auto_causal_block(length: int) -> int:
   """The query block of `causal_block_attention` for T = `length` when none is given: a quarter
   of the sequence, rounded up to a multiple of 8, within [64, 128] (T ≤ 64 runs as one block).
   Smaller blocks skip more of the upper triangle but cost more per computed pair; these bounds
-  were the fastest in the real SmolLM2 train step on a CPU (README, Performance)."""
+  were the fastest in the real SmolLM2 train step on a CPU (benchmarks/results/performance_notes.md)."""
   return min(128, max(64, -(-length // 32) * 8))
 
 

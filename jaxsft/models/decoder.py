@@ -79,7 +79,7 @@ DEFAULT_REMAT = "dots_no_batch"
 """What a layer keeps by default: the projections' outputs and the attention's output with its
 softmax row statistics (`ATTENTION_RESIDUALS`); norms, RoPE, SiLU and the attention scores are
 recomputed in the backward pass instead of being stacked per layer, which costs more than the
-recomputation (README, Performance: "What the train step does for speed")."""
+recomputation (benchmarks/results/performance_notes.md: "The train step's design, as measured")."""
 
 
 # ---------------------------------------------------------------------------------------------
