@@ -324,7 +324,7 @@ def jax_parts(workdir, meta, shape, dtype) -> dict:
   from jaxsft import loss as loss_lib
   from jaxsft import lora
   from jaxsft import step as step_lib
-  from jaxsft.matmul import matmul
+  from jaxsft.matmul import matmul, product_dtype
   from jaxsft.models.attention import ATTENTION, attention_mask_4d, self_attention
   from jaxsft.models.decoder import activation_dtype
 
@@ -369,9 +369,10 @@ def jax_parts(workdir, meta, shape, dtype) -> dict:
   ct_a = jnp.asarray(rng.standard_normal((b, t, n, d)), act)
   attn_layer = model.layers.self_attn
 
-  def attention(q, k, v):  # what a layer runs without a cache
+  def attention(q, k, v):  # what a layer runs without a cache, on the operands the step gives it
     if attn_layer.attention == "xla":
-      return self_attention(q, k, v, mask4d, d ** -0.5, block=attn_layer.causal_block, sliding_window=None)
+      return self_attention(q, k, v, mask4d, d ** -0.5, block=attn_layer.causal_block, sliding_window=None,
+                            operand_dtype=product_dtype(act, attn_layer.weight_dtype))
     return ATTENTION[attn_layer.attention](q, k, v, mask4d, d ** -0.5)
 
   attn = jax.jit(jax.grad(lambda q, k, v: jnp.vdot(attention(q, k, v), ct_a), argnums=(0, 1, 2)))
