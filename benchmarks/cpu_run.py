@@ -75,17 +75,15 @@ class Cell:
 
   def command(self, tag: str, reps: int) -> list[str]:
     python, suffix = sys.executable, f"_{tag}"
+    dtype = "bfloat16" if self.name.endswith("bf16") else "float32"  # the matmul, step and profile cells'
     if self.name.startswith("matmul"):
-      dtype = "bfloat16" if self.name.endswith("bf16") else "float32"
       return [python, "-m", "benchmarks.matmul", "--dtype", dtype, "--reps", str(max(reps, 3)),
               "--suffix", self.stem.removeprefix("matmul") + suffix]
     if self.name.startswith("step"):
-      dtype = "bfloat16" if self.name.endswith("bf16") else "float32"
       return [python, "-m", "benchmarks.vs_torch", "--model", MODEL, "--dtype", dtype, "--shapes", *SHAPES,
               "--steps", "6", "--reps", str(reps), "--frameworks", "jaxsft", "torch_eager", "torch_compile",
               "--compile-timeout", "600", "--profile", "--suffix", self.stem.removeprefix("vs_torch") + suffix]
     if self.name.startswith("profile"):
-      dtype = "bfloat16" if self.name.endswith("bf16") else "float32"
       return [python, "-m", "benchmarks.step_profile", "--model", "smollm2-135m", "--dtype", dtype, "--shape",
               PROFILED_SHAPE, "--steps", "3", "--suffix", self.stem.removeprefix("step_profile") + suffix]
     if self.name == "compile_prediction":
