@@ -320,6 +320,7 @@ class JaxsftStep:
     from jaxsft import lora as lora_lib
     from jaxsft import sharding
     from jaxsft import step as step_lib
+    from jaxsft.models.decoder import with_layers_packed
 
     lora_lib.apply_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                         target_modules=cfg.lora.target_modules, seed=cfg.seed)
@@ -330,7 +331,7 @@ class JaxsftStep:
     schedule = step_lib.make_schedule(cfg.optim, total_steps)
     tx = step_lib.make_optimizer(cfg.optim, schedule)
     self.lora = self.mesh.replicate(lora)
-    self.frozen = self.mesh.shard_frozen(frozen)
+    self.frozen = with_layers_packed(self.mesh.shard_frozen(frozen))  # as the trainer holds it (`Run.frozen`)
     self.opt_state = jax.jit(tx.init, out_shardings=self.mesh.replicated)(self.lora)
     self.steps = step_lib.CompiledSteps(step_lib.make_step_functions(graphdef, cfg), self.lora,
                                         self.opt_state, self.frozen, self.mesh, schedule)

@@ -326,7 +326,7 @@ def jax_parts(workdir, meta, shape, dtype) -> dict:
   from jaxsft import step as step_lib
   from jaxsft.matmul import matmul, product_dtype
   from jaxsft.models.attention import ATTENTION, attention_mask_4d, self_attention
-  from jaxsft.models.decoder import activation_dtype
+  from jaxsft.models.decoder import activation_dtype, with_layers_packed
 
   batch = _load_batches(workdir, shape)[0]
   parts = {}
@@ -339,6 +339,7 @@ def jax_parts(workdir, meta, shape, dtype) -> dict:
   model = common.load_jax_model(meta["jax_source"], dtype=dtype)
   lora.load_adapter(model, meta["adapter"])
   graphdef, lora_state, frozen = nnx.split(model, nnx.LoRAParam, ...)
+  frozen = with_layers_packed(frozen)  # as the trainer holds it
   cfg = model.config
   ids, mask, labels = (jnp.asarray(batch[k]) for k in ("input_ids", "attention_mask", "labels"))
   b, t = ids.shape

@@ -117,3 +117,52 @@ def test_layers_packed_ahead_give_the_same_logits_and_are_not_packed_again():
   assert words
   packs = lambda m: {w for w in words if w in nnx.jit(forward).lower(m).compile().as_text()}  # noqa: E731
   assert packs(model) and not packs(prepacked)
+
+
+def test_unpacked_gives_back_every_bit_prepacked_took():
+  rng = np.random.default_rng(4)
+  tree = {"w": jnp.asarray(rng.normal(size=(3, 4, 6)), jnp.bfloat16),
+          "h": jnp.asarray(rng.normal(size=(3, 6)), jnp.float16),
+          "f": jnp.asarray(rng.normal(size=(3, 6)), jnp.float32),  # not 16-bit: left as it is
+          "odd": jnp.asarray(rng.normal(size=(3, 5)), jnp.bfloat16)}  # odd last axis: left as it is
+  packed = stack16.prepacked(tree)
+  assert isinstance(packed["w"], stack16.Packed) and isinstance(packed["h"], stack16.Packed)
+  assert packed["f"] is tree["f"] and packed["odd"] is tree["odd"]
+  back = stack16.unpacked(packed)
+  for key, x in tree.items():
+    assert back[key].dtype == x.dtype and back[key].shape == x.shape
+    np.testing.assert_array_equal(np.asarray(back[key]).view(np.uint8), np.asarray(x).view(np.uint8))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the stacks are packed on a CPU only")
+def test_the_trainer_packs_the_frozen_stacks_once_and_saves_them_plain(tiny_dir, small_data, tmp_path):
+  """A bfloat16 run's steps take the frozen base packed ahead (its compiled step builds no
+  float32 words), and the model it saves, exports and evaluates has the plain weights it loaded."""
+  from jaxsft import config_args
+  from jaxsft.train import startup
+
+  cfg = config_args.parse_args(["--model", str(tiny_dir), "--data", str(small_data), "--output-dir",
+                                str(tmp_path / "run"), "model.dtype=bfloat16", "data.num_buckets=1",
+                                "data.batch_size=8", "data.tokens_per_batch=none", "data.time_shapes=false",
+                                "--no-progress"])
+  run, state = startup.setup(cfg)
+  try:
+    shape = run.data.shapes[0]
+    loaded = models.load_causal_lm(str(tiny_dir), dtype="bfloat16")
+    words = {f"u32[{TINY.num_layers},{','.join(map(str, x.shape[1:-1]))},{x.shape[-1] // 2}]"
+             for x in jax.tree.leaves(nnx.state(loaded.layers)) if stack16.packable(x)}
+    assert words  # the test looks for something
+    step_hlo = run.steps.compiled("train_step", shape).as_text()
+    assert not {w for w in words if w in step_hlo}
+    assert any(isinstance(x, stack16.Packed) for x in jax.tree.leaves(run.frozen, is_leaf=lambda x: isinstance(x, stack16.Packed)))
+
+    model = run.model(state.trainable)
+    plain = dict(nnx.to_flat_state(nnx.state(model.layers, nnx.Not(nnx.LoRAParam))))
+    expected = dict(nnx.to_flat_state(nnx.state(loaded.layers)))
+    assert plain.keys() == expected.keys()
+    for path, x in plain.items():
+      x, want = np.asarray(x[...]), np.asarray(expected[path][...])
+      assert x.dtype == want.dtype and x.shape == want.shape, path
+      np.testing.assert_array_equal(x.view(np.uint8), want.view(np.uint8))
+  finally:
+    run.files.unlock()

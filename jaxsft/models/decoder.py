@@ -259,13 +259,24 @@ def _variants(values: tuple) -> tuple[tuple, tuple[int, ...] | None]:
 
 
 def with_layers_packed(state):
-  """A `CausalLM`'s state (`nnx.split`) with its 16-bit layer stacks packed once
-  (`stack16.prepacked`) on a CPU, for calls that read the same weights many times (each generated
-  token): the forward then slices them without packing them again. Elsewhere, as it is."""
+  """A `CausalLM`'s state (`nnx.split`, or the part of it that holds the frozen base) with its
+  16-bit layer stacks packed once (`stack16.prepacked`) on a CPU, for calls that read the same
+  weights many times (each train step, each generated token): the forward then slices them without
+  packing them again. Elsewhere, as it is. `with_layers_unpacked` undoes it."""
   if jax.default_backend() != "cpu" or "layers" not in state:
     return state
   state = nnx.State(dict(state))
   state["layers"] = stack16.prepacked(state["layers"])
+  return state
+
+
+def with_layers_unpacked(state):
+  """`with_layers_packed`'s inverse: the state with plain 16-bit stacks again (a model to save,
+  export or merge); a state with nothing packed comes back as it is."""
+  if "layers" not in state:
+    return state
+  state = nnx.State(dict(state))
+  state["layers"] = stack16.unpacked(state["layers"])
   return state
 
 

@@ -16,8 +16,9 @@ the gradient it gets unpacked: the scan transposes each layer's slice on its own
 sums, the per-layer cotangents), and a packed value feeds nothing but `unpack`.
 
 Packing costs a pass over the stack (XLA's CPU backend builds the float32 words element by
-element). Calls that read the same weights again and again (each generated token) take them
-packed ahead (`prepacked`, as `Packed` leaves), and `pack_tree` passes those through.
+element). Calls that read the same weights again and again (each train step's frozen base, each
+generated token) take them packed ahead (`prepacked`, as `Packed` leaves), and `pack_tree` passes
+those through; `unpacked` gives the 16-bit arrays back (to save or export the weights).
 """
 
 from __future__ import annotations
@@ -99,12 +100,19 @@ def _is_packed(x) -> bool:
 
 
 _pack_outside = jax.jit(_pack)
+_unpack_outside = jax.jit(_unpack, static_argnums=1)
 
 
 def prepacked(tree):
   """`tree` with its `packable` leaves as `Packed` (a layer stack's tree only: every packable leaf
   must be read through `pack_tree`)."""
   return jax.tree.map(lambda x: Packed(_pack_outside(x), jnp.dtype(x.dtype).name) if packable(x) else x, tree)
+
+
+def unpacked(tree):
+  """The inverse of `prepacked`: every `Packed` leaf as the 16-bit array it holds, bit for bit."""
+  return jax.tree.map(lambda x: _unpack_outside(x.words, jnp.dtype(x.dtype)) if _is_packed(x) else x, tree,
+                      is_leaf=_is_packed)
 
 
 def pack_tree(tree):

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
-from flax import nnx
 
 from jaxsft import flops as flops_lib
 from jaxsft import models
@@ -178,7 +177,7 @@ def save_checkpoint(run: Run, state: RunState) -> bool:
     return False
   run.checkpoints.save(state)
   state.last_saved_step = state.step
-  save_tuned(run, nnx.merge(run.graphdef, state.trainable, run.frozen))
+  save_tuned(run, run.model(state.trainable))
   return True
 
 
@@ -200,7 +199,7 @@ def discard_poisoned_checkpoint(run: Run, state: RunState, first_bad_step: int) 
     run.files.remove_tuned()
     return None
   restored = checkpoints._restore(good, state, lambda data_state: None)
-  save_tuned(run, nnx.merge(run.graphdef, restored.trainable, run.frozen))
+  save_tuned(run, run.model(restored.trainable))
   return good
 
 

@@ -13,6 +13,7 @@ from flax import nnx
 from jaxsft import config as config_lib
 from jaxsft import errors
 from jaxsft import sharding as sharding_lib
+from jaxsft.models.decoder import with_layers_unpacked
 from jaxsft.train.checkpoints import quiet_orbax_failure_logs
 from jaxsft.train.loop import STOPPED_BY_SIGNAL, STOPPED_EARLY, end_of_run, run_loop, save_on_signal
 from jaxsft.train.prefetch import DevicePrefetch
@@ -77,7 +78,7 @@ def train_and_finish(run: Run, state: RunState, iterator, stop: StopSignals | No
     # another is still in a collective of the save, or that one aborts on the missing peer.
     sharding_lib.barrier("jaxsft: stopped on a signal")
     return result
-  trainable, frozen = state.trainable, run.frozen
+  trainable, frozen = state.trainable, with_layers_unpacked(run.frozen)
   if jax.process_count() > 1:
     # Process 0 finishes alone (plot, doctor, generation) on a local copy of the gathered weights.
     trainable, frozen = sharding_lib.to_host((trainable, frozen))

@@ -27,6 +27,7 @@ from jaxsft import tracking
 from jaxsft.collation import account as account_lib
 from jaxsft.collation import compiles as compiles_lib
 from jaxsft.collation.probe import PADDED_KEYS, ProbeTarget
+from jaxsft.models.decoder import with_layers_packed, with_layers_unpacked
 from jaxsft.run_files import RunFiles
 from jaxsft.train.checkpoints import Checkpoints
 from jaxsft.train.data_plan import DataPlan, load_data, plan_data
@@ -47,7 +48,7 @@ class Run:
   tokenizer: Any
   data: DataPlan
   graphdef: Any
-  frozen: Any
+  frozen: Any  # its 16-bit layer stacks packed on a CPU, as the steps read them (`model` unpacks them)
   steps: step_lib.CompiledSteps
   total_steps: int
   steps_per_epoch: int
@@ -60,6 +61,11 @@ class Run:
   peak_flops: float | None  # per device: the denominator of MFU (None: FLOP/s only)
   param_bytes: dict  # base_param_bytes, trainable_param_bytes
   trackers: tracking.Trackers = dataclasses.field(default_factory=lambda: tracking.Trackers({}))  # `start_or_resume` opens them
+
+  def model(self, trainable):
+    """The model of `trainable` beside the frozen base, with plain weights: what is saved,
+    exported, evaluated and chatted with."""
+    return nnx.merge(self.graphdef, trainable, with_layers_unpacked(self.frozen))
 
 
 def param_paths(model) -> list[str]:
@@ -141,6 +147,9 @@ def _setup(cfg: config_lib.TrainConfig, files: RunFiles, t_start: float,
   log.info("frozen base: %.1f MB as stored (quantize=%s); trainable: %.1f MB", param_bytes["base_param_bytes"] / 1e6,
            cfg.model.quantize, param_bytes["trainable_param_bytes"] / 1e6)
   trainable, frozen = mesh.replicate(trainable), mesh.shard_frozen(frozen)
+  # Every step reads the whole frozen base: its 16-bit stacks are packed for the CPU's scan once,
+  # here, not in each step (`jaxsft.models.stack16`).
+  frozen = with_layers_packed(frozen)
 
   target = ProbeTarget(graphdef, trainable, frozen, mesh, with_eval=bool(val_records))
   data = plan_data(cfg, train_records, val_records, tokenizer, mesh.batch_multiple_of, target)
