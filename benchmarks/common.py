@@ -313,7 +313,7 @@ class JaxsftStep:
   it one step late instead).
   """
 
-  def __init__(self, model, cfg, *, total_steps: int = 10_000, adapter_dir=None):
+  def __init__(self, model, cfg, *, total_steps: int = 10_000, adapter_dir=None, pack_frozen: bool = True):
     import jax
     from flax import nnx
 
@@ -331,7 +331,9 @@ class JaxsftStep:
     schedule = step_lib.make_schedule(cfg.optim, total_steps)
     tx = step_lib.make_optimizer(cfg.optim, schedule)
     self.lora = self.mesh.replicate(lora)
-    self.frozen = with_layers_packed(self.mesh.shard_frozen(frozen))  # as the trainer holds it (`Run.frozen`)
+    self.frozen = self.mesh.shard_frozen(frozen)
+    if pack_frozen:  # as the trainer holds it (`Run.frozen`); else each step packs it (`benchmarks.frozen_packing`)
+      self.frozen = with_layers_packed(self.frozen)
     self.opt_state = jax.jit(tx.init, out_shardings=self.mesh.replicated)(self.lora)
     self.steps = step_lib.CompiledSteps(step_lib.make_step_functions(graphdef, cfg), self.lora,
                                         self.opt_state, self.frozen, self.mesh, schedule)

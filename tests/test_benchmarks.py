@@ -457,6 +457,18 @@ def test_chat_decode_times_the_stream_with_the_stacks_packed_once_and_in_every_c
   assert f"| bfloat16 | once | {once['ms_per_token']:.1f} |" in text
 
 
+def test_frozen_packing_times_both_steps_and_they_compute_the_same_losses():
+  from benchmarks import frozen_packing
+
+  row = frozen_packing.measure("tiny", "bfloat16", (2, 16), steps=2)
+  assert {len(v) for v in row["seconds"].values()} == {2} and row["shape"] == "2x16"
+  assert row["max_loss_difference"] == 0  # the same step, its base packed at another time
+  assert row["every_step_over_once"] == pytest.approx(row["median_s"]["every step"] / row["median_s"]["once"])
+  text = frozen_packing.markdown({"machine": {"cpu": "x", "cpus": 2, "jax": "0", "backend": "cpu", "load_average": [0, 0, 0]},
+                                  "model": "tiny", "dtype": "bfloat16", "steps": 2, "command": "c", "rows": [row]})
+  assert f"| 2x16 | {row['median_s']['once']:.3f} (" in text
+
+
 def test_cpu_run_names_its_files_by_cpu_and_reads_them_back():
   from benchmarks import cpu_run
 
