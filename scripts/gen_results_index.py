@@ -20,6 +20,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 INDEX = RESULTS / "README.md"
+NOTES = RESULTS / "performance_notes.md"  # what the runs found, in words: linked from the header, not a run
 NOT_RECORDED = "not recorded"
 # Results whose files do not name their command; the command is the one that writes them.
 KNOWN_COMMANDS = {
@@ -111,7 +112,7 @@ def last_written(files: list[pathlib.Path]) -> tuple[str, str]:
 def render() -> str:
   runs: dict[str, list[pathlib.Path]] = {}
   for path in sorted(RESULTS.iterdir()):
-    if path.is_file() and path.name != INDEX.name:
+    if path.is_file() and path.name not in (INDEX.name, NOTES.name):
       runs.setdefault(run_name(path), []).append(path)
   lines = [
       "# Benchmark results",
@@ -128,7 +129,7 @@ def render() -> str:
       "does not), and the date and commit of the file's last change in git. Each `.md` holds the full table",
       "of its run and the load average at its start; its `.json` holds every number. How to run each",
       "benchmark: [docs/performance.md](../../docs/performance.md); what the runs found, machine by machine:",
-      "[performance_notes.md](performance_notes.md).",
+      f"[{NOTES.name}]({NOTES.name}).",
       "",
       "| result | files | command | machine | last written |",
       "| --- | --- | --- | --- | --- |",
