@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jaxsft import flops as flops_lib
 from jaxsft import models
@@ -177,7 +178,7 @@ def save_checkpoint(run: Run, state: RunState) -> bool:
     return False
   run.checkpoints.save(state)
   state.last_saved_step = state.step
-  save_tuned(run, run.model(state.trainable))
+  save_tuned(run, state.trainable)
   return True
 
 
@@ -199,17 +200,17 @@ def discard_poisoned_checkpoint(run: Run, state: RunState, first_bad_step: int) 
     run.files.remove_tuned()
     return None
   restored = checkpoints._restore(good, state, lambda data_state: None)
-  save_tuned(run, run.model(restored.trainable))
+  save_tuned(run, restored.trainable)
   return good
 
 
-def save_tuned(run: Run, model) -> None:
+def save_tuned(run: Run, trainable) -> None:
   """The tuned weights where `RunFiles.tuned` puts them for the run's mode: the full model or
   the adapter."""
   if run.cfg.mode == "full":
-    save_full_model(run, model)
-  else:
-    run.files.save_adapter(model, run.cfg.model.name)
+    save_full_model(run, run.model(trainable))
+  else:  # the adapter is the LoRA params alone: the frozen base stays as the steps hold it
+    run.files.save_adapter(nnx.merge(run.graphdef, trainable, run.frozen), run.cfg.model.name)
 
 
 def save_full_model(run: Run, model) -> None:

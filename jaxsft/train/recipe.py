@@ -78,13 +78,13 @@ def train_and_finish(run: Run, state: RunState, iterator, stop: StopSignals | No
     # another is still in a collective of the save, or that one aborts on the missing peer.
     sharding_lib.barrier("jaxsft: stopped on a signal")
     return result
-  trainable, frozen = state.trainable, with_layers_unpacked(run.frozen)
+  trainable, frozen = state.trainable, run.frozen
   if jax.process_count() > 1:
     # Process 0 finishes alone (plot, doctor, generation) on a local copy of the gathered weights.
     trainable, frozen = sharding_lib.to_host((trainable, frozen))
     if not run.files.writer:
       return result
-  finish(run, state, result, nnx.merge(run.graphdef, trainable, frozen))
+  finish(run, state, result, nnx.merge(run.graphdef, trainable, with_layers_unpacked(frozen)))
   return result
 
 
