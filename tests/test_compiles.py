@@ -47,6 +47,13 @@ def test_the_ledger_tells_a_cold_compile_from_a_persistent_cache_hit(tmp_path, n
     before = ledger.tally()
     fn.lower(x).compile()
     warm = ledger.tally() - before
+    # A program that compiles faster than the cache's threshold is neither written nor read.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+    fn, y = fresh_program()
+    y = y[:40]  # another shape: a new cache key
+    before = ledger.tally()
+    fn.lower(y).compile()
+    unwritten = ledger.tally() - before
   finally:
     jax.config.update("jax_compilation_cache_dir", saved[0])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[1])
@@ -54,6 +61,10 @@ def test_the_ledger_tells_a_cold_compile_from_a_persistent_cache_hit(tmp_path, n
   # A hit still traces and lowers (and JAX times the cache read as its backend step): counted.
   assert (warm.programs, warm.cache_hits, warm.cache_misses, warm.cache_state) == (1, 1, 0, "warm")
   assert cold.seconds > 0 and 0 < warm.front_seconds <= warm.seconds
+  # What the cache saves: the written program's XLA seconds, the whole of its time less its front end.
+  assert cold.written_backend_seconds == pytest.approx(cold.seconds - cold.front_seconds) and cold.written_backend_seconds > 0
+  assert warm.written_backend_seconds == 0
+  assert (unwritten.programs, unwritten.cache_misses, unwritten.written_backend_seconds) == (1, 0, 0)
 
 
 def test_tallies_subtract_and_name_the_cache_state():
@@ -108,8 +119,13 @@ def test_prices_come_from_the_calibration_and_grow_with_width_as_measured():
   assert p.cold == pytest.approx((2.0, 1 / 128))  # exact line through the three
   assert p.shape_seconds(1024, cached=False) == pytest.approx(10.0)
   assert p.shape_seconds(128, cached=True) == pytest.approx(0.5)  # the warm fit, not the share
-  # The other programs mostly bypass the cache: warm, never seen warm, they cost what they did cold.
+  # The other programs, warm and never seen warm: what they cost cold, less the XLA seconds of those
+  # the cold run wrote to the cache; once a warm run was seen, what it paid.
   assert (p.generate, p.generate_seconds(True), p.fixed_seconds(True)) == pytest.approx((2.5, 0.5, 1.0))
+  saving = compiles.prices(dataclasses.replace(cal, fixed={"cold": 5.9, "saved_by_cache": 4.2}), (99.0, 0.0))
+  assert (saving.fixed_seconds(False), saving.fixed_seconds(True)) == pytest.approx((5.9, 1.7))
+  seen = compiles.prices(dataclasses.replace(cal, fixed={"cold": 5.9, "saved_by_cache": 4.2, "warm": 1.5}), (99.0, 0.0))
+  assert seen.fixed_seconds(True) == pytest.approx(1.5) and "other programs: cold, warm timed here" in seen.source
   empty = compiles.prices(Calibration(), fallback_cold=(2.25, 1e-3))
   assert empty.cold == (2.25, 1e-3) and "cold: default" in empty.source
   assert empty.generate == pytest.approx(2.25 + 0.128)
@@ -172,6 +188,11 @@ def test_a_run_predicts_and_reports_its_compiles_cold_then_warm(tiny_dir, small_
           "--no-progress", "--quiet"]
   xla, cache = tmp_path / "xla", tmp_path / "jaxsft"
   train_in_subprocess([*args, "--output-dir", tmp_path / "cold"], xla, cache)
+  # Every program is written to the cache here (threshold 0): the cold run's other programs leave
+  # the XLA seconds a warm run will not pay.
+  (calibration,) = (cache / "compile_calibration").glob("*.json")
+  fixed = json.loads(calibration.read_text())["fixed"]
+  assert set(fixed) == {"cold", "saved_by_cache"} and 0 < fixed["saved_by_cache"] < fixed["cold"]
   train_in_subprocess([*args, "--output-dir", tmp_path / "warm"], xla, cache)
   cold, warm = (json.loads((tmp_path / name / "summary.json").read_text())["collation"] for name in ("cold", "warm"))
   assert cold["cache"] == {"folder": str(xla), "predicted": "cold", "measured": "cold"}

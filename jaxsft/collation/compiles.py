@@ -7,8 +7,11 @@ seconds are
 
     seconds = trace + lowering + backend      (backend: XLA's compile, or the cache read on a hit)
 
-so a warm cache still pays the trace and lowering of every program: only XLA's part is saved.
-`CompileTally` holds the sums (and counts) at one moment; the difference of two is a phase's.
+so a warm cache still pays the trace and lowering of every program: only XLA's part is saved, and
+only for the programs JAX writes to the cache (those that took at least
+`jax_persistent_cache_min_compile_time_secs` to compile; the miss event marks the write). The backend
+seconds of the written programs are what a warm cache saves. `CompileTally` holds the sums (and
+counts) at one moment; the difference of two is a phase's.
 
 Predicting (`predict_compiles`). The programs a run compiles are, per shape s of the probes and the
 plan, the train step (and the evaluation when there is held-out data), priced together as
@@ -18,8 +21,9 @@ plan, the train step (and the evaluation when there is held-out data), priced to
                                                   or fitted to warm compiles where some were timed)
 
 plus the generation's programs (one per padded prompt width: base and tuned share them, the same graph
-with the LoRA zeroed) and the run's small fixed programs (optimizer init, copies), priced from the
-last run on this machine. A program is
+with the LoRA zeroed) and the run's other programs (optimizer init, copies), priced from the last run
+on this machine in the same cache state; warm where no warm run was seen, as the cold run's seconds
+less the XLA seconds of those it wrote to the cache. A program is
 predicted warm where this machine's calibration remembers compiling it into the same cache folder,
 cold otherwise:
 
@@ -54,13 +58,15 @@ MISS_EVENT = "/jax/compilation_cache/cache_misses"
 class CompileTally:
   """Sums at one moment: `programs` lowered, of them `cache_hits` / `cache_misses` in the persistent
   cache (both 0 without one), `seconds` of trace + lowering + backend, `front_seconds` of trace +
-  lowering alone (what a cache hit still pays)."""
+  lowering alone (what a cache hit still pays), `written_backend_seconds` the backend seconds of the
+  programs written to the persistent cache (`cache_misses`: what a warm cache saves of them)."""
 
   programs: int = 0
   cache_hits: int = 0
   cache_misses: int = 0
   seconds: float = 0.0
   front_seconds: float = 0.0
+  written_backend_seconds: float = 0.0
 
   def __sub__(self, earlier: CompileTally) -> CompileTally:
     return CompileTally(*(getattr(self, f.name) - getattr(earlier, f.name) for f in dataclasses.fields(self)))
@@ -90,7 +96,11 @@ class CompileLedger:
   def __init__(self):
     import jax
 
-    self._sums = {"programs": 0, "cache_hits": 0, "cache_misses": 0, "seconds": 0.0, "front_seconds": 0.0}
+    self._sums = {"programs": 0, "cache_hits": 0, "cache_misses": 0, "seconds": 0.0, "front_seconds": 0.0,
+                  "written_backend_seconds": 0.0}
+    # JAX records a program's cache write (the miss event) inside its backend step, before that step's
+    # duration: the duration that follows a write is the written program's.
+    self._writing = False
     jax.monitoring.register_event_duration_secs_listener(self._on_duration)
     jax.monitoring.register_event_listener(self._on_event)
 
@@ -101,12 +111,16 @@ class CompileLedger:
     elif event == BACKEND_EVENT:
       self._sums["programs"] += 1
       self._sums["seconds"] += duration
+      if self._writing:
+        self._sums["written_backend_seconds"] += duration
+      self._writing = False
 
   def _on_event(self, event: str, **kwargs):
     if event == HIT_EVENT:
       self._sums["cache_hits"] += 1
     elif event == MISS_EVENT:
       self._sums["cache_misses"] += 1
+      self._writing = True
 
   def tally(self) -> CompileTally:
     return CompileTally(**self._sums)
@@ -157,7 +171,9 @@ class Calibration:
   found in the persistent cache / every program found; `front_share`: trace + lowering over the whole
   of the cold compiles (the part a hit still pays); `generate`: (rows, P, seconds) of a generation
   program, cold; `fixed`: {"cold": s, "warm": s} of the run's other programs (optimizer init,
-  copies, eager ops), the last run of each; `cached`: per persistent cache folder, the programs compiled into it (`signature`)."""
+  copies, eager ops), the last run of each, and "saved_by_cache": the XLA seconds of the cold run's
+  that were written to the persistent cache; `cached`: per persistent cache folder, the programs
+  compiled into it (`signature`)."""
 
   cold: list = dataclasses.field(default_factory=list)
   warm: list = dataclasses.field(default_factory=list)
@@ -225,7 +241,8 @@ def fit_linear_in_width(samples: Sequence[Sequence[float]]) -> tuple[float, floa
 class CompilePrices:
   """cold(T) = p + q·T; warm(T) = warm fit where warm compiles were timed, else front_share·cold(T).
   `generate`: cold seconds of one generation program (its warm price: front_share of it); `fixed`:
-  {"cold", "warm"} seconds of the run's other programs. `source` says where each number came from."""
+  {"cold", "warm"} seconds of the run's other programs and, of the cold, "saved_by_cache": the XLA
+  seconds of those written to the persistent cache. `source` says where each number came from."""
 
   cold: tuple[float, float]
   warm: tuple[float, float] | None
@@ -245,10 +262,14 @@ class CompilePrices:
     return self.front_share * self.generate if cached else self.generate
 
   def fixed_seconds(self, cached: bool) -> float:
-    """The other programs: as last seen in this cache state. Warm, unseen: as cold, since they are
-    mostly small programs the persistent cache does not hold (a warm run finds none of them)."""
+    """The other programs: as last seen in this cache state. Warm, unseen: the cold run's seconds
+    less the XLA seconds of the programs it wrote to the cache (`saved_by_cache`). Most of these
+    programs compile too fast to be written and cost a warm run what they cost a cold one; on a slow
+    CPU a few take longer than the cache's threshold and are read instead."""
     cold = self.fixed.get("cold", 0.0)
-    return self.fixed.get("warm", cold) if cached else cold
+    if not cached:
+      return cold
+    return self.fixed.get("warm", max(cold - self.fixed.get("saved_by_cache", 0.0), 0.0))
 
 
 DEFAULT_FRONT_SHARE = 0.3
@@ -273,7 +294,7 @@ def prices(calibration: Calibration, fallback_cold: tuple[float, float]) -> Comp
     generate = cold[0] + cold[1] * 128
     sources.append("generate: as a 128-wide shape")
   if calibration.fixed:
-    sources.append("other programs: " + ", ".join(sorted(calibration.fixed)) + " timed here")
+    sources.append("other programs: " + ", ".join(k for k in ("cold", "warm") if k in calibration.fixed) + " timed here")
   return CompilePrices(cold, warm, share, generate, dict(calibration.fixed), "; ".join(sources))
 
 

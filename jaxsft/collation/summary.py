@@ -44,8 +44,12 @@ def learn_from_run(account: CollationAccount, generated: compiles_lib.CompileTal
   programs = list(account.generation_signatures) if generated is not None else []
   if programs and generated.cache_state == "cold":
     learned["generate"] = [[8, 0, generated.seconds / len(programs)]]
-  # The other programs mostly bypass the persistent cache: priced by the state of the run they were in.
-  learned["fixed"] = {**cal.fixed, "warm" if total.cache_hits else "cold": other.seconds}
+  # The other programs are priced by the state of the run they were in; of a cold run's, the XLA
+  # seconds of those written to the persistent cache are what a warm run will not pay.
+  if total.cache_hits:
+    learned["fixed"] = {**cal.fixed, "warm": other.seconds}
+  else:
+    learned["fixed"] = {**cal.fixed, "cold": other.seconds, "saved_by_cache": other.written_backend_seconds}
   folder = cache_folder()
   if folder:
     cold_seconds = generated.seconds / len(programs) if programs else 0.0
