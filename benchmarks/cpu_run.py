@@ -9,7 +9,8 @@ the verdict: each target beside what this CPU gave.
   step_f32            SmolLM2-135M-Instruct (real weights), LoRA r 8 on q/v, 8x128 and 4x512:
                       jaxsft against torch eager + peft and torch.compile, fresh processes
                       interleaved (`benchmarks.vs_torch`; vs_torch_smollm2_f32_<tag>)
-  step_bf16           the same with the model in bfloat16 on both sides (vs_torch_smollm2_bf16_<tag>)
+  step_bf16           the same with the model in bfloat16 on both sides (vs_torch_smollm2_bf16_<tag>;
+                      by default only on a CPU with bfloat16 units, as profile_bf16: `UNITS_ONLY`)
   compile_prediction  the collation cost model's compile and step seconds against a run's, on a
                       held-out file, cold cache and warm (`benchmarks.compile_prediction`;
                       compile_prediction_smollm2_<tag>)
@@ -105,6 +106,22 @@ CELLS = (
     Cell("profile_f32", f"the float32 {PROFILED_SHAPE} step op by op", 600, f"step_profile_smollm2_f32_{PROFILED_SHAPE}"),
     Cell("profile_bf16", f"the bfloat16 {PROFILED_SHAPE} step op by op", 600, f"step_profile_smollm2_bf16_{PROFILED_SHAPE}"),
 )
+
+
+UNITS_ONLY = ("step_bf16", "profile_bf16")
+"""Cells run by default only where the CPU has bfloat16 units (AMX, avx512_bf16): elsewhere no
+bfloat16 target applies, and torch's bf16 products there run at a few GFLOP/s, hours for the step
+cell (`matmul_bf16`, a minute, still shows it)."""
+
+
+def cells_to_run(only: list[str] | None, flags: tuple[str, ...]) -> tuple[list[Cell], list[Cell]]:
+  """(the cells to run, the cells left out): those `only` names, or every cell, less `UNITS_ONLY`
+  where `flags` has no bfloat16 units."""
+  if only:
+    return [c for c in CELLS if c.name in only], []
+  units = "avx512_bf16" in flags or "amx_bf16" in flags
+  return ([c for c in CELLS if units or c.name not in UNITS_ONLY],
+          [c for c in CELLS if not units and c.name in UNITS_ONLY])
 
 
 def cpu_tag(cpuinfo: str | None = None) -> str:
@@ -268,7 +285,9 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   log = lambda s: print(s, flush=True)
   machine = common.machine_info()
-  cells = [c for c in CELLS if not args.only or c.name in args.only]
+  cells, left_out = cells_to_run(args.only, tuple(machine.get("cpu_flags", ())))
+  for c in left_out:
+    log(f"== {c.name}: left out, no bfloat16 units on this CPU (`--only {c.name}` runs it)")
   ran = [run_cell(c, args.tag, args.reps, log) for c in cells]
   command = (f"python -m benchmarks.cpu_run --reps {args.reps}" + (f" --only {' '.join(args.only)}" if args.only else "")
              + ("" if args.tag == cpu_tag() else f" --tag {args.tag}"))

@@ -487,6 +487,18 @@ def test_cpu_run_names_its_files_by_cpu_and_reads_them_back():
     assert module + cmd[cmd.index("--suffix") + 1] == f"{cell.stem}_intel_amx", cell.name
 
 
+def test_cpu_run_leaves_the_bf16_step_out_where_the_cpu_has_no_bf16_units_unless_named():
+  from benchmarks import cpu_run
+
+  names = lambda cells: [c.name for c in cells]
+  run, left_out = cpu_run.cells_to_run(None, ("avx2",))
+  assert names(left_out) == ["step_bf16", "profile_bf16"] and not set(names(left_out)) & set(names(run))
+  assert "matmul_bf16" in names(run) and "step_f32" in names(run)
+  for flags in (("avx512f", "avx512_bf16"), ("avx512f", "avx512_bf16", "amx_bf16")):
+    assert cpu_run.cells_to_run(None, flags) == (list(cpu_run.CELLS), [])
+  assert names(cpu_run.cells_to_run(["profile_bf16", "step_bf16"], ("avx2",))[0]) == ["step_bf16", "profile_bf16"]
+
+
 def test_cpu_run_holds_each_target_against_what_this_cpu_gave():
   from benchmarks import cpu_run, vs_torch
 
