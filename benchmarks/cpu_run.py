@@ -57,7 +57,7 @@ _CALLERS_TOKENIZERS_PARALLELISM = os.environ.get("TOKENIZERS_PARALLELISM")
 from benchmarks import common  # noqa: E402
 from benchmarks.compile_prediction import TARGET_COMPILE_RATIO, TARGET_STEPS_WITHIN  # noqa: E402
 from benchmarks.store_build import TARGET_OVER_ENCODE  # noqa: E402
-from jaxsft.matmul import cpu_features  # noqa: E402
+from jaxsft.matmul import BF16_UNITS, cpu_features  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 SHAPES = ("8x128", "4x512")
@@ -114,12 +114,16 @@ bfloat16 target applies, and torch's bf16 products there run at a few GFLOP/s, h
 cell (`matmul_bf16`, a minute, still shows it)."""
 
 
+def has_bf16_units(flags: tuple[str, ...]) -> bool:
+  return any(f in BF16_UNITS for f in flags)
+
+
 def cells_to_run(only: list[str] | None, flags: tuple[str, ...]) -> tuple[list[Cell], list[Cell]]:
   """(the cells to run, the cells left out): those `only` names, or every cell, less `UNITS_ONLY`
   where `flags` has no bfloat16 units."""
   if only:
     return [c for c in CELLS if c.name in only], []
-  units = "avx512_bf16" in flags or "amx_bf16" in flags
+  units = has_bf16_units(flags)
   return ([c for c in CELLS if units or c.name not in UNITS_ONLY],
           [c for c in CELLS if not units and c.name in UNITS_ONLY])
 
@@ -188,7 +192,7 @@ def targets(results: dict[str, dict | None], flags: tuple[str, ...]) -> list[dic
   hold for it; `required` says whether the target applies to a CPU with these matrix flags:
   float32 everywhere; bfloat16 against torch eager where the CPU has bf16 units
   (avx512_bf16 or AMX), against torch.compile and its own float32 step where it has AMX."""
-  bf16_units = "avx512_bf16" in flags or "amx_bf16" in flags
+  bf16_units = has_bf16_units(flags)
   amx = "amx_bf16" in flags
   rows = []
   f32 = (results.get("vs_torch_smollm2_f32") or {}).get("summary", {})
