@@ -165,6 +165,18 @@ def _library_fusion_params(hlo: str, fusion_line: str) -> set[str]:
   return set(re.findall(r": (\w+)\[", header.split("->")[0]))
 
 
+def cpu_16bit_note(dtype) -> str | None:
+  """A line for a run that asked for 16-bit `dtype` weights on a CPU whose products cannot use
+  16-bit kernels (`uses_16bit_kernels`: a CPU without bf16 units, float16, or an XLA without the
+  library kernel): the weights take half the memory, but the products still run in float32, with
+  conversions added, so the steps are no faster than float32's. None for float32, where the
+  16-bit kernels run, and off a CPU."""
+  if jax.default_backend() != "cpu" or jnp.dtype(dtype) not in _SIXTEEN_BIT or uses_16bit_kernels(dtype):
+    return None
+  return (f"{cpu_matmul_path(dtype)}: {jnp.dtype(dtype).name} halves the frozen weights' memory here, "
+          f"not the step time (model.dtype auto computes in float32 on a CPU)")
+
+
 def cpu_matmul_path(dtype) -> str | None:
   """One line naming what runs the model's products with `dtype` weights on this CPU, for a run's
   summary; None off a CPU."""

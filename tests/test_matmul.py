@@ -151,6 +151,42 @@ def test_the_summary_line_names_the_kernels_that_ran(monkeypatch, flags, line):
     assert matmul_lib.cpu_matmul_path(jnp.bfloat16).endswith("(avx512f; this XLA has no 16-bit library kernel)")
 
 
+@pytest.mark.parametrize("flags", ["avx2 avx512f avx512_bf16 amx_bf16", "avx2 avx512f avx512_bf16", "avx2 avx512f", "avx2"])
+def test_a_16bit_run_is_told_when_its_products_run_in_float32(monkeypatch, flags):
+  features = matmul_lib.cpu_features(f"flags\t: fpu {flags}\n")
+  monkeypatch.setattr(matmul_lib, "cpu_features", lambda cpuinfo=None: features)
+  monkeypatch.setattr(matmul_lib, "_this_cpu", lambda: features)
+  monkeypatch.setattr(matmul_lib, "library_takes_16bit_products", lambda: True)
+  note = matmul_lib.cpu_16bit_note(jnp.bfloat16)
+  if "avx512_bf16" in flags:  # the products run on the bf16 units: nothing to say
+    assert note is None
+  else:
+    assert note.startswith(matmul_lib.cpu_matmul_path(jnp.bfloat16) + ": ") and "no bf16 units" in note
+    assert "halves the frozen weights' memory here, not the step time" in note
+  assert matmul_lib.cpu_16bit_note(jnp.float32) is None
+  assert "the 16-bit kernels serve bfloat16" in matmul_lib.cpu_16bit_note(jnp.float16)  # on any CPU
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert matmul_lib.cpu_16bit_note(jnp.bfloat16) is None and matmul_lib.cpu_16bit_note(jnp.float16) is None
+
+
+def test_loading_a_16bit_model_to_train_says_so_where_its_products_run_in_float32(tiny_dir, monkeypatch, caplog):
+  from jaxsft import config as config_lib
+  from jaxsft.train import startup
+
+  def load(dtype):
+    caplog.clear()
+    cfg = config_lib.apply_overrides(config_lib.TrainConfig(), {"model.name": str(tiny_dir), "model.dtype": dtype})
+    with caplog.at_level("WARNING", logger="jaxsft.train"):
+      startup.load_model_to_train(cfg)
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+  monkeypatch.setattr(matmul_lib, "_this_cpu", lambda: ("avx2",))
+  assert load("bfloat16") == [matmul_lib.cpu_16bit_note(jnp.bfloat16)]
+  assert load("float32") == []
+  monkeypatch.setattr(matmul_lib, "uses_16bit_kernels", lambda dtype: jnp.dtype(dtype) == jnp.bfloat16)
+  assert load("bfloat16") == []
+
+
 def test_this_xla_hands_16bit_products_to_its_library_kernels():
   """The installed jaxlib is what the project's bfloat16 speed rests on: a jaxlib that loses the
   path shows here, not only as a slower benchmark."""

@@ -19,6 +19,7 @@ from flax import nnx
 from jaxsft import config as config_lib
 from jaxsft import flops as flops_lib
 from jaxsft import lora as lora_lib
+from jaxsft import matmul as matmul_lib
 from jaxsft import models
 from jaxsft import quant
 from jaxsft import sharding as sharding_lib
@@ -111,6 +112,9 @@ def load_model_to_train(cfg: config_lib.TrainConfig):
   model, tokenizer = models.load_model(cfg.model.name, dtype=cfg.model.dtype, remat=cfg.model.remat,
                                        quantize=cfg.model.quantize, quant_block_size=cfg.model.quant_block_size,
                                        quantize_embeddings=cfg.model.quantize_embeddings)
+  note = matmul_lib.cpu_16bit_note(model.dtype)
+  if note:
+    log.warning("%s", note)
   if cfg.mode == "lora":
     lora_lib.apply_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                         target_modules=cfg.lora.target_modules, rslora=cfg.lora.rslora,
