@@ -109,10 +109,20 @@ def last_written(files: list[pathlib.Path]) -> tuple[str, str]:
   return (out[0], out[1]) if len(out) == 2 else ("uncommitted", "—")
 
 
+def ignored_by_git(paths: list[pathlib.Path]) -> set[pathlib.Path]:
+  """The paths git ignores (the GPU rehearsal's per-cell files, say): a clone never has them, so
+  the index must not link them even when this checkout does."""
+  out = subprocess.run(["git", "check-ignore", "--stdin"], cwd=ROOT, input="\n".join(map(str, paths)),
+                       capture_output=True, text=True, check=False).stdout
+  return {pathlib.Path(line) for line in out.splitlines()}
+
+
 def render() -> str:
   runs: dict[str, list[pathlib.Path]] = {}
-  for path in sorted(RESULTS.iterdir()):
-    if path.is_file() and path.name not in (INDEX.name, NOTES.name):
+  paths = sorted(RESULTS.iterdir())
+  ignored = ignored_by_git(paths)
+  for path in paths:
+    if path.is_file() and path.name not in (INDEX.name, NOTES.name) and path not in ignored:
       runs.setdefault(run_name(path), []).append(path)
   lines = [
       "# Benchmark results",

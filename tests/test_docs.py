@@ -174,3 +174,15 @@ def test_every_relative_link_of_the_readme_and_the_guide_names_a_file_that_exist
   assert len(links) > 30
   missing = [f"{page.relative_to(ROOT)} -> {target}" for page, target in links if not (page.parent / target).exists()]
   assert not missing, missing
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs the project's git checkout")
+def test_the_results_index_leaves_out_what_git_ignores():
+  """A checkout that ran the GPU rehearsal holds its per-cell files, which git ignores and a clone
+  never has: the index written there must not link them."""
+  spec = importlib.util.spec_from_file_location("gen_results_index", ROOT / "scripts" / "gen_results_index.py")
+  index = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(index)
+  results = ROOT / "benchmarks" / "results"
+  rehearsal, kept = results / "vs_torch_smollm2_f32_rehearsal.md", results / "gpu_rehearsal.md"
+  assert index.ignored_by_git([rehearsal, kept]) == {rehearsal}
