@@ -57,7 +57,7 @@ _CALLERS_TOKENIZERS_PARALLELISM = os.environ.get("TOKENIZERS_PARALLELISM")
 from benchmarks import common  # noqa: E402
 from benchmarks.compile_prediction import TARGET_COMPILE_RATIO, TARGET_STEPS_WITHIN  # noqa: E402
 from benchmarks.store_build import TARGET_OVER_ENCODE  # noqa: E402
-from jaxsft.matmul import BF16_UNITS, cpu_features  # noqa: E402
+from jaxsft.matmul import cpu_features, has_bf16_units  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 SHAPES = ("8x128", "4x512")
@@ -112,10 +112,6 @@ UNITS_ONLY = ("step_bf16", "profile_bf16")
 """Cells run by default only where the CPU has bfloat16 units (AMX, avx512_bf16): elsewhere no
 bfloat16 target applies, and torch's bf16 products there run at a few GFLOP/s, hours for the step
 cell (`matmul_bf16`, a minute, still shows it)."""
-
-
-def has_bf16_units(flags: tuple[str, ...]) -> bool:
-  return any(f in BF16_UNITS for f in flags)
 
 
 def cells_to_run(only: list[str] | None, flags: tuple[str, ...]) -> tuple[list[Cell], list[Cell]]:

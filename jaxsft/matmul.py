@@ -48,13 +48,18 @@ BF16_UNITS = ("amx_bf16", "avx512_bf16")
 dot products. Without either, a bfloat16 product is converted to float32 anyway."""
 
 
+def has_bf16_units(features) -> bool:
+  """Whether CPU `features` (`cpu_features`, or /proc/cpuinfo flags) include one of `BF16_UNITS`."""
+  return any(f in BF16_UNITS for f in features)
+
+
 def uses_16bit_kernels(dtype) -> bool:
   """Whether products with `dtype` weights run on the CPU's 16-bit kernels here: bfloat16, on a
   CPU with bf16 units (`BF16_UNITS`), whose XLA hands such products to its library kernels.
   Elsewhere on a CPU (float16, or a CPU without the units) a 16-bit weight meets float32
   activations in a float32 product, which is what XLA would run for a 16-bit product there."""
   return (jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) and jax.default_backend() == "cpu"
-          and any(f in BF16_UNITS for f in _this_cpu()) and library_takes_16bit_products())
+          and has_bf16_units(_this_cpu()) and library_takes_16bit_products())
 
 
 def product_dtype(activation_dtype, weight_dtype) -> jnp.dtype:
@@ -192,7 +197,7 @@ def cpu_matmul_path(dtype) -> str | None:
     return f"{name} products accumulated in float32 by XLA's YNNPACK kernels, on {unit}"
   if name != "bfloat16":
     why = "the 16-bit kernels serve bfloat16"
-  elif any(f in BF16_UNITS for f in features):
+  elif has_bf16_units(features):
     why = "this XLA has no 16-bit library kernel"
   else:
     why = "no bf16 units on this CPU"
