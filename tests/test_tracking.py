@@ -123,13 +123,18 @@ def test_stdout_holds_the_summary_alone_and_a_missing_wandb_is_one_warning(tiny_
   assert r.returncode == 0, log
   lines = text.strip().splitlines()
   assert lines[0] == f"== jaxsft run finished: {run} =="
-  assert lines[1].startswith("steps 4, final train loss") and any(l.startswith("throughput: ") for l in lines)
-  assert lines[-1].startswith("export it:")
+  assert any(l.startswith("throughput: ") for l in lines) and lines[-1].startswith("export it:")
+  # Losses to 4 decimals, as the step lines print them; summary.json keeps every digit.
+  summary = json.loads((run / "summary.json").read_text())
+  shown = lambda v: "none" if v is None else f"{v:.4f}"  # noqa: E731
+  assert lines[1] == (f"steps 4, final train loss {shown(summary['final_loss'])}, "
+                      f"val loss {shown(summary['first_val_loss'])} → {shown(summary['val_loss'])}"), lines[1]
+  assert re.fullmatch(r"steps 4, final train loss \d+\.\d{4}, val loss .*", lines[1])
   assert not re.search(r"\d\d:\d\d:\d\d jaxsft", text)  # no log line on stdout
   assert "loading model" in log and "== jaxsft run finished" not in log
   warnings = [l for l in log.splitlines() if "wandb" in l.lower()]
   assert len(warnings) == 1 and "not installed" in warnings[0], warnings
-  assert json.loads((run / "summary.json").read_text())["steps"] == 4
+  assert summary["steps"] == 4
   assert not (run / "wandb").exists()
 
 

@@ -116,10 +116,15 @@ def data_sources(run: Run) -> dict:
                            for s, share, c in zip(sources, mix.weights, counts)]}
 
 
+def _loss_text(value) -> str:
+  """A loss for the closing text, to 4 decimals like the step lines (summary.json keeps every digit)."""
+  return "none" if value is None else f"{value:.4f}"
+
+
 def summary_text(files: RunFiles, summary: dict, result: RunResult) -> str:
   lines = [f"\n== jaxsft run finished: {files.dir} ==",
-           f"steps {summary['steps']}, final train loss {summary['final_loss']}, "
-           f"val loss {summary['first_val_loss']} → {summary['val_loss']}",
+           f"steps {summary['steps']}, final train loss {_loss_text(summary['final_loss'])}, "
+           f"val loss {_loss_text(summary['first_val_loss'])} → {_loss_text(summary['val_loss'])}",
            f"compiles: {summary['warmup_compiles']} at warm-up, {summary['recompiles']} after",
            f"data: {summary['data']}"]
   if "task_score_base" in summary:
