@@ -110,9 +110,9 @@ class DataConfig:
   num_buckets: int | str = 4
   """Buckets (bucketed packing: widths, at most); auto: as many as pay for their compiles in this run."""
   time_shapes: bool = True
-  """Time two calls of each compiled shape at warm-up and fit the collation cost model to them (the log's
-  and summary.json's predicted seconds). false: no timing calls; the prediction uses the built-in
-  default cost. `auto` times its probe shapes either way."""
+  """Time up to six compiled shapes at warm-up, a call or two each, and fit the collation cost model to
+  them (the log's and summary.json's predicted seconds). false: no timing calls; the prediction uses
+  the built-in default cost. `auto` times its probe shapes either way."""
   bucket_lengths: tuple[int, ...] | None = None
   """Explicit bucket boundaries; None: chosen from the data to minimize padding."""
   batch_size: int = 8

@@ -469,6 +469,20 @@ def test_frozen_packing_times_both_steps_and_they_compute_the_same_losses():
   assert f"| 2x16 | {row['median_s']['once']:.3f} (" in text
 
 
+def test_time_step_calls_times_every_shape_call_by_call_in_a_run_s_order():
+  from benchmarks import time_step_calls
+
+  run = time_step_calls.worker("tiny", [(2, 32), (2, 16)], calls=2)
+  assert [(r["shape"], r["trained"]) for r in run["rows"]] == [("2x16", False), ("2x32", False), ("2x32", True)]
+  assert all(len(r["seconds"]) == 2 and min(r["seconds"]) > 0 for r in run["rows"])
+  text = time_step_calls.markdown({"machine": {"cpu": "x", "cpus": 2, "jax": "0", "backend": "cpu",
+                                               "load_average": [0, 0, 0]},
+                                   "model": "tiny", "calls": 2, "command": "c", "runs": [run, run]})
+  first = run["rows"][0]["seconds"]
+  assert f"| 2 | 2x32 trained | {run['rows'][2]['seconds'][0]:.3f} |" in text
+  assert f"median {first[0] / first[1]:.2f}; every later shape" in text
+
+
 def test_cpu_run_names_its_files_by_cpu_and_reads_them_back():
   from benchmarks import cpu_run
 

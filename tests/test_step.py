@@ -61,6 +61,35 @@ def test_the_compiled_step_takes_the_schedule_as_an_input():
   assert rates == [pytest.approx(1e-3), 0.0]  # each run's own numbers: 1e-3 at once, 0 at the start of warmup
 
 
+def test_time_step_calls_twice_where_a_first_call_pays_one_off_costs(monkeypatch):
+  """The first shape timed (the process's first step) and steps under REPEAT_UNDER_S: the faster of
+  two calls; a longer step later: one call; `calls` overrides both. The state is never updated."""
+  keys = ("input_ids", "attention_mask", "labels")
+  cfg, graphdef, params, frozen, tx, fns, mesh = _setup(models.init_random(TINY, seed=0), config_lib.TrainConfig())
+  steps = step_lib.CompiledSteps(fns, mesh.replicate(params), jax.jit(tx.init)(params), frozen, mesh,
+                                 step_lib.make_schedule(cfg.optim, 10))
+  steps.warm_up([(2, 16), (2, 32)], keys, with_eval=False, fused=True)
+  made = []
+  for shape in ((2, 16), (2, 32)):
+    compiled = steps._compiled[("train_step", shape)]
+    steps._compiled[("train_step", shape)] = lambda *a, _c=compiled, _s=shape: made.append(_s) or _c(*a)
+
+  def calls(shape, **kw):
+    made.clear()
+    steps.time_step(shape, keys, fused=True, **kw)
+    return len(made)
+
+  monkeypatch.setattr(step_lib, "REPEAT_UNDER_S", 0.0)  # every step counts as long here
+  assert calls((2, 16)) == 2  # the first timed
+  assert calls((2, 32)) == 1 and calls((2, 32), trained=True) == 1
+  assert calls((2, 32), calls=3) == 3
+  monkeypatch.setattr(step_lib, "REPEAT_UNDER_S", 1e9)  # every step counts as short
+  assert calls((2, 32)) == 2
+  assert set(steps.step_seconds) == {(2, 16), (2, 32)} and set(steps.trained_step_seconds) == {(2, 32)}
+  for a, b in zip(jax.tree.leaves(steps._trainable), jax.tree.leaves(mesh.replicate(params))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_logged_lr_is_the_rate_adamw_used_after_a_skipped_step():
   cfg = config_lib.TrainConfig()
   cfg.optim.schedule, cfg.optim.warmup_steps, cfg.optim.lr = "linear", 4, 1e-2

@@ -146,6 +146,7 @@ def account(cfg: config_lib.TrainConfig, collation: Collation, data, steps, toke
   elif not (cfg.data.time_shapes or probe_lib.chosen_on_timings(cfg.data)):
     cost = cost_lib.DEFAULT_COST
   else:
+    log.info("timing the compiled shapes for the collation's predicted seconds (data.time_shapes=false skips this)")
     cost = probe_lib.fit_from_steps(steps, data.shapes, keys, fused=cfg.optim.grad_accum == 1)
   epochs = cost_lib.epochs_planned(data.batches_per_epoch, epochs=cfg.epochs, max_steps=cfg.max_steps,
                                    grad_accum=cfg.optim.grad_accum)

@@ -208,6 +208,7 @@ def warm_up(cfg: config_lib.TrainConfig, data: DataPlan, steps: step_lib.Compile
   keys = step_lib.BATCH_KEYS if packed else PADDED_KEYS
   compiles0, seconds0, t0 = counter.count, counter.seconds, time.time()
   before = compiles_lib.ledger().tally()
+  log.info("warm-up: compiling the step for %d shapes before step 1", len(data.shapes))
   steps.warm_up(data.shapes, keys, with_eval=bool(data.val_records), fused=cfg.optim.grad_accum == 1)
   tally = compiles_lib.ledger().tally() - before
   compiles, seconds = counter.count - compiles0, time.time() - t0
