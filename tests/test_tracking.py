@@ -130,6 +130,10 @@ def test_stdout_holds_the_summary_alone_and_a_missing_wandb_is_one_warning(tiny_
   assert lines[1] == (f"steps 4, final train loss {shown(summary['final_loss'])}, "
                       f"val loss {shown(summary['first_val_loss'])} → {shown(summary['val_loss'])}"), lines[1]
   assert re.fullmatch(r"steps 4, final train loss \d+\.\d{4}, val loss .*", lines[1])
+  # The doctor's verdict, cause and fix; its evidence is in doctor.txt, which the summary names.
+  assert "loss curve: " in text and "likely cause: " in text and "fix: " in text
+  assert "evidence:" not in text and "n_points" not in text and f"doctor: {run / 'doctor.txt'}" in text
+  assert "evidence:\n  n_points: 4" in (run / "doctor.txt").read_text()
   assert not re.search(r"\d\d:\d\d:\d\d jaxsft", text)  # no log line on stdout
   assert "loading model" in log and "== jaxsft run finished" not in log
   warnings = [l for l in log.splitlines() if "wandb" in l.lower()]

@@ -136,11 +136,12 @@ def summary_text(files: RunFiles, summary: dict, result: RunResult) -> str:
     lines.append(f"throughput: {summary['flops_per_s'] / 1e9:.1f} GFLOP/s (model FLOPs){mfu}")
   if "matmul_path" in summary:
     lines.append(f"matmuls: {summary['matmul_path']}")
-  lines.append(result.diagnosis.report())
+  lines.append(result.diagnosis.brief())  # the evidence: doctor.txt, named below
   full = files.holds_full_model()
   tuned = files.tuned(full)
   kind = "tuned model (HF format)" if full else "adapter (PEFT format)"
-  lines.append(f"{kind}: {tuned}   curve: {files.loss_curve}   wall time {summary['seconds']}s")
+  lines.append(f"{kind}: {tuned}   curve: {files.loss_curve}   doctor: {files.doctor_report}   "
+               f"wall time {summary['seconds']}s")
   lines.append(f"chat with it:  python -m jaxsft.chat {files.dir}\n"
                f"export it:     python -m jaxsft.export {files.dir} --out {files.dir}-hf  (--format gguf for llama.cpp)")
   return "\n".join(lines)
