@@ -178,7 +178,8 @@ class EvalConfig:
   num_prompts: int = 24
   """Held-out prompts the closing evaluation generates for and scores."""
   max_new_tokens: int = 16
-  """Tokens generated at most per prompt in the closing evaluation."""
+  """Tokens generated at most per prompt in the closing evaluation. A reference reply longer than this
+  cannot be matched; the evaluation says how many are (`references_cut_short`)."""
 
 
 @dataclasses.dataclass

@@ -58,6 +58,15 @@ def task_score(records: Sequence[dict], generations: Sequence[str]) -> dict[str,
   return {"score": float(np.mean(hits)) if hits else 0.0, "n": len(hits)}
 
 
+def references_cut_short(tokenizer, records: Sequence[dict], max_new_tokens: int) -> dict[str, int] | None:
+  """{"count", "of", "longest"} where references take more tokens than `max_new_tokens`: a reply
+  generated for them stops before it could match (a GSM8K answer's `#### <number>` comes last),
+  whatever the model learned. None where every reference fits."""
+  lengths = [len(tokenizer.encode(reference_reply(r), add_special_tokens=False)) for r in records]
+  count = sum(n > max_new_tokens for n in lengths)
+  return {"count": count, "of": len(lengths), "longest": max(lengths)} if count else None
+
+
 def base_of(model):
   """The same graph with every LoRA param zeroed: its outputs are exactly the base model's."""
   import jax  # here, not at the top: `jaxsft evaluate --help` loads no JAX
@@ -83,6 +92,9 @@ def compare_base_and_tuned(model, tokenizer, records: Sequence[dict], cfg, base=
     generations = generate(m, tokenizer, prompts, max_new_tokens=cfg.eval.max_new_tokens)
     out[name] = task_score(records, generations)
     out[name]["generations"] = generations
+  cut = references_cut_short(tokenizer, records, cfg.eval.max_new_tokens)
+  if cut:
+    out["references_cut_short"] = {**cut, "max_new_tokens": cfg.eval.max_new_tokens}
   out["samples"] = [
       {"prompt": p[-1]["content"][:300], "reference": reference_reply(r), "base": b, "tuned": t}
       for p, r, b, t in zip(prompts, records, out["base"]["generations"], out["tuned"]["generations"])
@@ -95,6 +107,10 @@ def compare_base_and_tuned(model, tokenizer, records: Sequence[dict], cfg, base=
 def format_comparison(out: dict) -> str:
   lines = [f"task score on {out['tuned']['n']} held-out prompts: base {out['base']['score']:.3f}, "
            f"tuned {out['tuned']['score']:.3f}"]
+  cut = out.get("references_cut_short")
+  if cut:
+    lines.append(f"  {cut['count']} of {cut['of']} references are longer than eval.max_new_tokens={cut['max_new_tokens']} "
+                 f"(the longest: {cut['longest']} tokens): replies stop before they could match; raise it to score them")
   if "format_rate" in out["tuned"]:
     lines.append(f"answers in the task's format: base {out['base']['format_rate']:.3f}, "
                  f"tuned {out['tuned']['format_rate']:.3f}")

@@ -63,6 +63,8 @@ def finish(run: Run, state: RunState, result: RunResult, model) -> None:
       summary[f"task_score_{name}"] = result.evaluation[name]["score"]
       if "format_rate" in result.evaluation[name]:
         summary[f"format_rate_{name}"] = result.evaluation[name]["format_rate"]
+    if "references_cut_short" in result.evaluation:
+      summary["references_cut_short"] = result.evaluation["references_cut_short"]
   summary.update(flops_lib.mean_utilization(run_files.read_records(files.metrics)))
   path = matmul_lib.cpu_matmul_path(model.dtype)  # which kernels ran the products (None off a CPU)
   if path:
@@ -128,7 +130,10 @@ def summary_text(files: RunFiles, summary: dict, result: RunResult) -> str:
            f"compiles: {summary['warmup_compiles']} at warm-up, {summary['recompiles']} after",
            f"data: {summary['data']}"]
   if "task_score_base" in summary:
-    lines.append(f"task score: base {summary['task_score_base']:.3f} → tuned {summary['task_score_tuned']:.3f}")
+    cut = summary.get("references_cut_short")
+    note = (f" ({cut['count']} of {cut['of']} references longer than eval.max_new_tokens={cut['max_new_tokens']}, "
+            f"the longest {cut['longest']} tokens)") if cut else ""
+    lines.append(f"task score: base {summary['task_score_base']:.3f} → tuned {summary['task_score_tuned']:.3f}{note}")
     if "format_rate_tuned" in summary:
       lines.append(f"answer format: base {summary['format_rate_base']:.3f} → tuned {summary['format_rate_tuned']:.3f}")
   if "flops_per_s" in summary:
