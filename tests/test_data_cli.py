@@ -71,8 +71,12 @@ def test_build_then_find_then_stats_from_the_store(shared_data, tmp_path, capsys
 def test_stats_without_the_store_counts_the_skipped_records(tmp_path, capsys):
   data = tmp_path / "d.jsonl"
   data.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": ""}\n{"prompt": "c"}\n')
-  assert main(["stats", "--data", str(data), "--max-length", "64", "--no-cache"]) == 0
-  assert f"{data}: 1 records (2 skipped)" in capsys.readouterr().out
+  for cache in (["--no-cache"], ["--cache-dir", str(tmp_path / "cache")]):  # from the records, and from a store
+    assert main(["stats", "--data", str(data), "--max-length", "64", *cache]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith(f"{data}: 1 records (2 skipped)") and lines[1].startswith("  skipped 1 x field 'completion'")
+    assert "  first: line 2: " in out and "  first: line 3: field 'completion': missing" in out
 
 
 # ChatML, plus a note after any turn that contains "zzz": the reply span of such a turn cannot be located.

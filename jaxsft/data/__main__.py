@@ -99,7 +99,8 @@ def _main(args) -> int:
 
 
 def _tokenized(args, tokenizer):
-  """(records, TokenizedRecords, StoreResult or None, records skipped), from the store unless --no-cache."""
+  """(records, TokenizedRecords, StoreResult or None, the skipped records ({reason: count}, the first
+  three's (where, reason))), from the store unless --no-cache."""
   settings = dict(max_length=args.max_length, train_on=args.train_on, fmt=args.format, field_map=args.field_map,
                   on_error=args.on_error)
   if args.no_cache:
@@ -108,11 +109,12 @@ def _tokenized(args, tokenizer):
 
     report = SkipReport()
     records, tokenized = tokenize_file(tokenizer, args.data, report=report, **settings)
-    return records, tokenized, None, report.num_skipped
+    return records, tokenized, None, (report.reasons(), report.skipped[:3])
   from jaxsft.data.store import open_or_build
 
   result = open_or_build(args.data, tokenizer, cache_dir=args.cache_dir, **settings)
-  return result.store.records(), result.store.tokenized(), result, result.store.manifest["skipped"]
+  m = result.store.manifest
+  return result.store.records(), result.store.tokenized(), result, (m["skip_reasons"], m["first_skipped"])
 
 
 def _cost(run_dir: str | None):
@@ -131,13 +133,18 @@ def _cost(run_dir: str | None):
   return StepCost(**{**fields, "source": f"{fields.get('source', 'measured')} in {run_dir}"})
 
 
-def _stats(args, tokenizer, records, tokenized, skipped: int) -> int:
+def _stats(args, tokenizer, records, tokenized, skipped: tuple[dict[str, int], list]) -> int:
   # The command, not the data library, reaches up to the collation package for the plans and their seconds.
   from jaxsft.collation.compare import compare_batching, format_comparison, predict_seconds
   from jaxsft.data.stats import length_summary, text_histogram
 
   summary = length_summary(tokenized)
-  print(f"{args.data}: {len(records)} records ({skipped} skipped), tokenizer {args.model}")
+  reasons, first = skipped
+  print(f"{args.data}: {len(records)} records ({sum(reasons.values())} skipped), tokenizer {args.model}")
+  for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):  # what --on-error raise would stop at
+    print(f"  skipped {n} x {reason}")
+  for where, reason in first:
+    print(f"  first: {where}: {reason}")
   print(f"tokens per example (before truncation): min {summary['min']}, p50 {summary['p50']:.0f}, "
         f"p90 {summary['p90']:.0f}, p99 {summary['p99']:.0f}, max {summary['max']}, mean {summary['mean']:.1f}")
   print(f"max_length {args.max_length}: {summary['truncated']} truncated, {summary['dropped']} dropped "
