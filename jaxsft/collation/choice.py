@@ -148,7 +148,9 @@ def predicted(choice_cost: cost_lib.StepCost, batching: dict, lengths: np.ndarra
 def log_choice(choice: Choice) -> None:
   """One line for the choice and, for auto, one per runner-up with its predicted seconds."""
   if not choice.candidates:
-    log.info("collation: %s %s (cost: %s)", choice.name, choice.batching.get("bucket_lengths") or "", choice.cost.source)
+    # The cost the plan was chosen with; the run's prediction, logged next, may use a measured one.
+    log.info("collation: %s %s (chosen with cost %s)", choice.name, choice.batching.get("bucket_lengths") or "",
+             choice.cost.source)
     return
   best = choice.candidates[0]
   log.info("collation auto: %s %s, predicted %.1fs (steps %.1fs + compiles %.1fs; cost %s)", best.name,
