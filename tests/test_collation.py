@@ -1,10 +1,7 @@
-"""The trainer's collation choice (jaxsft.collation.choice): num_buckets / batching auto, and summary.json's
-"collation" record of a run with `batching: auto` (tiny model, in process)."""
-
-import json
+"""The trainer's collation choice (jaxsft.collation.choice): num_buckets / batching auto. summary.json's
+"collation" record of a run with `batching: auto` is checked in test_compiles.py, on its cold run."""
 
 import numpy as np
-import pytest
 
 from jaxsft import config as config_lib
 from jaxsft.collation import choice as collation
@@ -50,35 +47,3 @@ def test_timed_shapes_spread_over_the_widths():
   assert len(picked) == 6 and picked[0] == (8, 8) and picked[-1] == (8, 512)
   assert collation.timed_shapes(shapes[:3]) == shapes[:3]
   assert collation.probe_widths(344, 8) == [88, 176, 344]
-
-
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, tokenizer):
-  from jaxsft.data import synthetic
-  from jaxsft.train import main
-  from tiny_model import make_tiny_model_dir
-
-  base = tmp_path_factory.mktemp("auto")
-  model = make_tiny_model_dir(base / "model", tokenizer)
-  data = synthetic.write_jsonl(synthetic.make_dataset(120, seed=2), base / "tasks.jsonl")
-  out = base / "run"
-  code = main(["--model", str(model), "--data", str(data), "--output-dir", str(out), "data.batching=auto",
-               "data.batch_size=8", "data.tokens_per_batch=none", "data.val_fraction=0", "max_steps=3",
-               "eval.eval_every=0", "eval.generate=false", "--no-progress", f"data.cache_dir={base / 'tokens'}"])
-  assert code == 0
-  return out
-
-
-@pytest.mark.slow
-def test_auto_run_records_its_choice_predicted_and_measured(tiny_run):
-  summary = json.loads((tiny_run / "summary.json").read_text())
-  record = summary["collation"]
-  names = [c["name"] for c in record["candidates"]]
-  assert record["choice"] == names[0] and len(names) >= 6
-  assert summary["recompiles"] == 0  # the chosen plan's shapes were all compiled before step 1
-  for key in ("predicted_seconds", "measured_seconds"):
-    assert set(record[key]) == {"steps", "compiles"} and record[key]["steps"] > 0 and record[key]["compiles"] > 0
-  assert record["cost"]["source"].startswith("measured") and record["chosen_with"]["source"] == "measured: 3 shapes"
-  config = json.loads((tiny_run / "metrics.jsonl").read_text().splitlines()[0])
-  chosen = record["candidates"][0]
-  assert {tuple(s) for s in config["batch_shapes"]} >= {tuple(s) for s in chosen["shapes"]}

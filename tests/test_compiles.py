@@ -208,6 +208,16 @@ def test_a_run_predicts_and_reports_its_compiles_cold_then_warm(tiny_dir, small_
   # The second run's programs are cache reads: it pays less, and was predicted to.
   assert warm["measured_seconds"]["compiles"] < cold["measured_seconds"]["compiles"]
   assert warm["predicted_seconds"]["compiles"] < cold["predicted_seconds"]["compiles"]
+  # auto's record: its choice heads the priced candidates, chosen with the probes' measured cost,
+  # and every shape of the chosen plan was compiled before step 1.
+  names = [c["name"] for c in cold["candidates"]]
+  assert cold["choice"] == names[0] and len(names) >= 6
+  assert cold["cost"]["source"].startswith("measured") and cold["chosen_with"]["source"] == "measured: 3 shapes"
+  for key in ("predicted_seconds", "measured_seconds"):
+    assert set(cold[key]) == {"steps", "compiles"} and cold[key]["steps"] > 0 and cold[key]["compiles"] > 0
+  assert json.loads((tmp_path / "cold" / "summary.json").read_text())["recompiles"] == 0
+  config = json.loads((tmp_path / "cold" / "metrics.jsonl").read_text().splitlines()[0])
+  assert {tuple(s) for s in config["batch_shapes"]} >= {tuple(s) for s in cold["candidates"][0]["shapes"]}
 
 
 def test_auto_chooses_at_cold_compile_prices_when_its_probes_were_cache_reads():
