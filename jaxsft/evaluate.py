@@ -67,6 +67,12 @@ def references_cut_short(tokenizer, records: Sequence[dict], max_new_tokens: int
   return {"count": count, "of": len(lengths), "longest": max(lengths)} if count else None
 
 
+def cut_short_text(cut: dict[str, int]) -> str:
+  """`references_cut_short` (with the run's max_new_tokens) in words, for the comparison and the summary."""
+  return (f"{cut['count']} of {cut['of']} references are longer than eval.max_new_tokens={cut['max_new_tokens']} "
+          f"(the longest: {cut['longest']} tokens)")
+
+
 def base_of(model):
   """The same graph with every LoRA param zeroed: its outputs are exactly the base model's."""
   import jax  # here, not at the top: `jaxsft evaluate --help` loads no JAX
@@ -109,8 +115,7 @@ def format_comparison(out: dict) -> str:
            f"tuned {out['tuned']['score']:.3f}"]
   cut = out.get("references_cut_short")
   if cut:
-    lines.append(f"  {cut['count']} of {cut['of']} references are longer than eval.max_new_tokens={cut['max_new_tokens']} "
-                 f"(the longest: {cut['longest']} tokens): replies stop before they could match; raise it to score them")
+    lines.append(f"  {cut_short_text(cut)}: replies stop before they could match; raise it to score them")
   if "format_rate" in out["tuned"]:
     lines.append(f"answers in the task's format: base {out['base']['format_rate']:.3f}, "
                  f"tuned {out['tuned']['format_rate']:.3f}")

@@ -136,15 +136,14 @@ def _cost(run_dir: str | None):
 def _stats(args, tokenizer, records, tokenized, skipped: tuple[dict[str, int], list]) -> int:
   # The command, not the data library, reaches up to the collation package for the plans and their seconds.
   from jaxsft.collation.compare import compare_batching, format_comparison, predict_seconds
+  from jaxsft.data.records import skip_lines
   from jaxsft.data.stats import length_summary, text_histogram
 
   summary = length_summary(tokenized)
   reasons, first = skipped
   print(f"{args.data}: {len(records)} records ({sum(reasons.values())} skipped), tokenizer {args.model}")
-  for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):  # what --on-error raise would stop at
-    print(f"  skipped {n} x {reason}")
-  for where, reason in first:
-    print(f"  first: {where}: {reason}")
+  for line in skip_lines(reasons, first):  # what --on-error raise would stop at
+    print(line)
   print(f"tokens per example (before truncation): min {summary['min']}, p50 {summary['p50']:.0f}, "
         f"p90 {summary['p90']:.0f}, p99 {summary['p99']:.0f}, max {summary['max']}, mean {summary['mean']:.1f}")
   print(f"max_length {args.max_length}: {summary['truncated']} truncated, {summary['dropped']} dropped "

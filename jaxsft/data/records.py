@@ -36,7 +36,7 @@ import os
 import pathlib
 import sys
 import zlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from jaxsft.config_checks import FORMATS, ON_ERROR  # the config's lists of choices (data.format, data.on_error)
 from jaxsft.data.json_array import BOM, JsonTextError, Utf8Reader, read_json_array, utf8_error
@@ -99,10 +99,15 @@ class SkipReport:
   def summary(self) -> str:
     if not self.skipped:
       return f"{self.path}: kept all {self.total} records"
-    lines = [f"{self.path}: skipped {self.num_skipped} of {self.total} records"]
-    lines += [f"  {n} x {reason}" for reason, n in sorted(self.reasons().items(), key=lambda kv: -kv[1])]
-    lines += [f"  first: {where}: {reason}" for where, reason in self.skipped[:3]]
-    return "\n".join(lines)
+    return "\n".join([f"{self.path}: skipped {self.num_skipped} of {self.total} records",
+                      *skip_lines(self.reasons(), self.skipped[:3])])
+
+
+def skip_lines(reasons: dict[str, int], first: Sequence[tuple[str, str]]) -> list[str]:
+  """The lines under a count of skipped records: each reason's count, most first, then where the
+  `first` skipped records were and why."""
+  return ([f"  {n} x {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])] +
+          [f"  first: {where}: {reason}" for where, reason in first])
 
 
 def load_records(path: str | os.PathLike, fmt: str = "auto", field_map: dict[str, str] | None = None,

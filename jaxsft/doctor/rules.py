@@ -82,17 +82,14 @@ class Diagnosis:
   fix: str
   evidence: dict[str, Any]
 
-  def report(self) -> str:
-    """The whole verdict: pattern, summary, every number of the evidence, cause and fix (doctor.txt)."""
+  def report(self, evidence: bool = True) -> str:
+    """Pattern, summary, every number of the evidence (doctor.txt; without it: a run's closing
+    summary, which names doctor.txt), likely cause and fix."""
     lines = [f"loss curve: {self.pattern}", f"  {self.summary}"]
-    lines += ["evidence:"] + [f"  {k}: {_fmt(v)}" for k, v in self.evidence.items()]
+    if evidence:
+      lines += ["evidence:"] + [f"  {k}: {_fmt(v)}" for k, v in self.evidence.items()]
     lines += [f"likely cause: {self.likely_cause}", f"fix: {self.fix}"]
     return "\n".join(lines)
-
-  def brief(self) -> str:
-    """The verdict without its evidence, for a run's closing summary (which names doctor.txt)."""
-    return "\n".join([f"loss curve: {self.pattern}", f"  {self.summary}", f"likely cause: {self.likely_cause}",
-                      f"fix: {self.fix}"])
 
 
 def _fmt(value: Any) -> str:

@@ -10,6 +10,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from jaxsft import evaluate
 from jaxsft import flops as flops_lib
 from jaxsft import host_memory
 from jaxsft import matmul as matmul_lib
@@ -38,7 +39,6 @@ def finish(run: Run, state: RunState, result: RunResult, model) -> None:
   files.write_text(files.doctor_report, result.diagnosis.report() + "\n")
   generated = None  # what the evaluation's generation compiled
   if cfg.eval.generate and run.data.val_records:
-    from jaxsft import evaluate
     from jaxsft.collation import compiles as compiles_lib
 
     before = compiles_lib.ledger().tally()
@@ -131,8 +131,7 @@ def summary_text(files: RunFiles, summary: dict, result: RunResult) -> str:
            f"data: {summary['data']}"]
   if "task_score_base" in summary:
     cut = summary.get("references_cut_short")
-    note = (f" ({cut['count']} of {cut['of']} references longer than eval.max_new_tokens={cut['max_new_tokens']}, "
-            f"the longest {cut['longest']} tokens)") if cut else ""
+    note = f"; {evaluate.cut_short_text(cut)}" if cut else ""
     lines.append(f"task score: base {summary['task_score_base']:.3f} → tuned {summary['task_score_tuned']:.3f}{note}")
     if "format_rate_tuned" in summary:
       lines.append(f"answer format: base {summary['format_rate_base']:.3f} → tuned {summary['format_rate_tuned']:.3f}")
@@ -141,7 +140,7 @@ def summary_text(files: RunFiles, summary: dict, result: RunResult) -> str:
     lines.append(f"throughput: {summary['flops_per_s'] / 1e9:.1f} GFLOP/s (model FLOPs){mfu}")
   if "matmul_path" in summary:
     lines.append(f"matmuls: {summary['matmul_path']}")
-  lines.append(result.diagnosis.brief())  # the evidence: doctor.txt, named below
+  lines.append(result.diagnosis.report(evidence=False))  # the evidence: doctor.txt, named below
   full = files.holds_full_model()
   tuned = files.tuned(full)
   kind = "tuned model (HF format)" if full else "adapter (PEFT format)"
