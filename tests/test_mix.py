@@ -3,6 +3,7 @@ field maps and counts, the held-out split, and every bad value refused with one 
 
 import json
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -259,4 +260,8 @@ def test_a_mixed_run_resumes_exactly_and_its_summary_counts_add_up(tiny_dir, sma
   examples = int(straight["data"].split()[0])  # "N examples (...)": the pipeline's total
   assert sum(s["examples"] for s in sources) == examples and min(s["examples"] for s in sources) > 0
   assert sources[0]["examples"] / examples == pytest.approx(0.7, abs=0.1)
-  assert sum(s["trained_tokens"] for s in sources) >= sum(l["valid_tokens"] for l in a) > 0
+  # The counts are those of the 6 batches the steps trained on, not of the ones read ahead: every
+  # row starts with an untrained prompt token, so the labels != -100 are the loss's valid tokens.
+  assert sum(s["trained_tokens"] for s in sources) == sum(l["valid_tokens"] for l in a) > 0
+  batches, padded = re.search(r"(\d+) batches, .* (\d+) padded tokens", straight["data"]).groups()
+  assert (int(batches), int(padded)) == (6, sum(l["tokens"] for l in a))

@@ -63,6 +63,21 @@ class PipelineStats:
     self.padded_tokens += batch["input_ids"].size
     self.label_tokens += int((batch["labels"] != IGNORE_INDEX).sum())
 
+  def restore(self, counts: dict) -> None:
+    """Sets the counters, in place, to `counts`: a `dataclasses.asdict` of them, as a checkpoint's
+    JSON holds it (its per-epoch keys are strings there)."""
+    for name, value in counts.items():
+      if name == "dropped_per_epoch":
+        value = {int(epoch): count for epoch, count in value.items()}
+      setattr(self, name, value)
+
+  @classmethod
+  def of(cls, counts: dict) -> "PipelineStats":
+    """The counters `counts` holds (as `restore` reads them)."""
+    stats = cls()
+    stats.restore(counts)
+    return stats
+
   def source_counts(self, num_sources: int) -> list[dict]:
     """[{examples, trained_tokens}] per source, zeros for a source not read yet."""
     def at(counts, i):

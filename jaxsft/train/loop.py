@@ -71,7 +71,8 @@ def train_step(run: Run, state: RunState, batches: DevicePrefetch) -> dict | Non
     t_wait = time.time()
     try:
       batch, host, state.data_state = next(batches)
-    except StopIteration:
+    except StopIteration:  # the data ran out: every batch the pipeline made was consumed
+      state.data_stats = dataclasses.asdict(run.data.stats)
       break
     wait += time.time() - t_wait
     state.data_stats = host.get("data_stats", state.data_stats)

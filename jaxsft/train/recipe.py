@@ -73,7 +73,7 @@ def train_and_finish(run: Run, state: RunState, iterator, stop: StopSignals | No
                      stop_signal=stop.signal_name() if stopped == STOPPED_BY_SIGNAL else None)
   if stopped == STOPPED_BY_SIGNAL:
     # A preempted machine has seconds left: no plot, doctor or evaluation, only the summary.
-    finish_stopped(run, result, newest_checkpoint)
+    finish_stopped(run, state, result, newest_checkpoint)
     # The command line then exits at once (no interpreter teardown): no process may leave while
     # another is still in a collective of the save, or that one aborts on the missing peer.
     sharding_lib.barrier("jaxsft: stopped on a signal")

@@ -10,6 +10,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from jaxsft import data as data_lib
 from jaxsft import evaluate
 from jaxsft import flops as flops_lib
 from jaxsft import host_memory
@@ -53,7 +54,7 @@ def finish(run: Run, state: RunState, result: RunResult, model) -> None:
       "steps": result.steps, "final_loss": result.final_loss, "first_val_loss": result.first_val_loss,
       "val_loss": result.val_loss, "warmup_compiles": result.compiles_warmup, "recompiles": result.recompiles,
       "stopped_early": result.stopped_early, "stopped": result.stopped, "diagnosis": result.diagnosis.pattern,
-      "data": run.data.stats.summary(), **data_sources(run), "seconds": round(time.time() - run.t_start, 1),
+      **consumed_data(run, state), "seconds": round(time.time() - run.t_start, 1),
       "collation": collation_summary(run.collation, step_seconds=state.step_seconds, generate=generated,
                                      writer=files.writer),
       **run.param_bytes,
@@ -81,7 +82,7 @@ def finish(run: Run, state: RunState, result: RunResult, model) -> None:
     print(summary_text(files, summary, result), flush=True)
 
 
-def finish_stopped(run: Run, result: RunResult, saved: int | None) -> None:
+def finish_stopped(run: Run, state: RunState, result: RunResult, saved: int | None) -> None:
   """The summary of a run a signal stopped (`stopped: "signal"`): what it reached and where
   `--resume` goes on from (`saved`, the newest checkpoint's step); nothing slow (a preempted
   machine may have seconds left)."""
@@ -94,7 +95,7 @@ def finish_stopped(run: Run, result: RunResult, saved: int | None) -> None:
       "steps": result.steps, "final_loss": result.final_loss, "first_val_loss": result.first_val_loss,
       "val_loss": result.val_loss, "warmup_compiles": result.compiles_warmup, "recompiles": result.recompiles,
       "stopped_early": False, "stopped": result.stopped, "signal": result.stop_signal, "checkpoint_step": saved,
-      "planned_steps": run.total_steps, "data": run.data.stats.summary(), **data_sources(run),
+      "planned_steps": run.total_steps, **consumed_data(run, state),
       "seconds": round(time.time() - run.t_start, 1),
   }
   summary.update(flops_lib.mean_utilization(run_files.read_records(files.metrics)))
@@ -106,14 +107,22 @@ def finish_stopped(run: Run, result: RunResult, saved: int | None) -> None:
           f"checkpoint: step {saved}   continue with the same command and --resume", flush=True)
 
 
-def data_sources(run: Run) -> dict:
+def consumed_data(run: Run, state: RunState) -> dict:
+  """summary.json's `data` (the pipeline's counts as of the last batch the steps consumed: the
+  batches read ahead for steps that never ran are not counted) and, with a `data.mix`, its
+  `data_sources`."""
+  stats = run.data.stats if state.data_stats is None else data_lib.PipelineStats.of(state.data_stats)
+  return {"data": stats.summary(), **data_sources(run, stats)}
+
+
+def data_sources(run: Run, stats: data_lib.PipelineStats) -> dict:
   """summary.json's `data_sources` with a `data.mix`: per source its path, weight (as given), share
-  (normalized), and the examples and trained tokens the run took from it (they sum to the pipeline's
-  totals: examples read, and labels != -100 of the batches made); nothing without a mix."""
+  (normalized), and the examples and trained tokens the run took from it (they sum to the `stats`
+  totals: examples read, and labels != -100 of the batches); nothing without a mix."""
   sources, mix = run.cfg.data.mix, run.data.mix
   if not sources or mix is None:
     return {}
-  counts = run.data.stats.source_counts(len(sources))
+  counts = stats.source_counts(len(sources))
   return {"data_sources": [{"path": s.path, "weight": s.weight, "share": round(share, 6), **c}
                            for s, share, c in zip(sources, mix.weights, counts)]}
 

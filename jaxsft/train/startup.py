@@ -251,10 +251,7 @@ def start_or_resume(run: Run, fresh: RunState) -> tuple[Run, RunState, Any]:
   if state is not None:
     run.files.truncate_metrics(state.step)
     if state.data_stats:  # the run's data counts go on from the checkpoint's, not from zero
-      for name, value in state.data_stats.items():
-        if name == "dropped_per_epoch":
-          value = {int(epoch): count for epoch, count in value.items()}
-        setattr(run.data.stats, name, value)
+      run.data.stats.restore(state.data_stats)
     log.info("resumed from step %d", state.step)
   else:
     if cfg.resume:
