@@ -399,6 +399,8 @@ def test_a_short_noisy_run_at_a_working_rate_is_too_noisy_not_flat():
   still = doctor.diagnose(range(1, 9), SMOLLM2_LR_3E_3, learning_rate=COSINE_3E_3, val_steps=[0, 8],
                           val_loss=[1.30, 1.28])
   assert still.pattern == "flat", still.report()
+  # at 3e-3 the learning rate is not what keeps it still: the fix does not say to raise it
+  assert "raise the learning rate" not in still.fix and "above LoRA's usual range" in still.fix, still.fix
   # and one that fell says it learned
   learned = doctor.diagnose(range(1, 9), SMOLLM2_LR_3E_3, learning_rate=COSINE_3E_3, val_steps=[0, 8],
                             val_loss=[1.30, 0.96])
@@ -437,3 +439,19 @@ def test_noise_is_wild_against_the_higher_level_not_a_loss_near_zero():
   assert d.evidence["noise"] > 2 * d.evidence["last_level"]
   wild = doctor.diagnose(range(1, 21), SMOLLM2_20_STEPS_LR_0_01, learning_rate=cosine(0.01), vocab_size=49152)
   assert wild.pattern == "oscillating" and wild.evidence["noise_rel"] >= doctor.WILD_NOISE_REL, wild.report()
+
+
+def test_a_still_curve_at_a_usual_learning_rate_is_told_to_train_longer_not_to_raise_it():
+  """A 12-step run of 109 per epoch at a constant 2e-4 whose held-out loss moved 3.7%: "raise the
+  learning rate (LoRA typically 1e-4 to 3e-4)" would name the range it is in."""
+  loss = [1.598, 1.593, 1.895, 1.168, 2.605, 1.179, 1.653, 1.223, 1.505, 1.804, 1.209, 1.645]
+  kwargs = dict(val_steps=[0, 12], val_loss=[1.5257, 1.4689], steps_per_epoch=109)
+  d = doctor.diagnose(range(1, 13), loss, learning_rate=[2e-4] * 12, **kwargs)
+  assert d.pattern == "flat", d.report()
+  assert "raise the learning rate" not in d.fix, d.fix
+  assert "peaked at 0.0002, in LoRA's usual range" in d.fix and "train longer (12 steps were 11% of one epoch)" in d.fix
+  assert d.likely_cause.startswith("too few steps") and "learning rate too low" not in d.likely_cause
+  # under the usual range the usual advice stands
+  low = doctor.diagnose(range(1, 13), loss, learning_rate=[5e-5] * 12, **kwargs)
+  assert low.pattern == "flat" and "raise the learning rate (LoRA typically 1e-4 to 3e-4)" in low.fix, low.fix
+  assert low.likely_cause.startswith("learning rate too low")

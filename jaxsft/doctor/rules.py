@@ -15,7 +15,7 @@ from jaxsft.doctor.statistics import (_lag1_autocorrelation, _mann_kendall_expec
 __all__ = ["MIN_POINTS", "NEAR_ZERO", "NEAR_ZERO_VAL_DROP", "DIVERGE_REL_RISE", "GRAD_COLLAPSE",
            "GRAD_SPIKE", "UNIFORM_FRACTION", "VAL_RISE_REL", "REBOUND_MIN_DROP", "REBOUND_FRACTION",
            "REBOUND_MIN_POSITION", "FLAT_REL_DROP", "TREND_Z", "SWING_AUTOCORR", "WILD_NOISE_REL",
-           "PLATEAU_FRACTION", "DETECT_REL_DROP", "LOW_LR", "PATTERNS", "Diagnosis", "diagnose"]
+           "PLATEAU_FRACTION", "DETECT_REL_DROP", "LOW_LR", "USUAL_LORA_LR", "PATTERNS", "Diagnosis", "diagnose"]
 
 
 MIN_POINTS = 8
@@ -36,10 +36,12 @@ WILD_NOISE_REL = 0.75
 PLATEAU_FRACTION = 0.2
 DETECT_REL_DROP = 0.25
 LOW_LR = 1e-5
+USUAL_LORA_LR = 1e-4  # the low end of LoRA's usual peak learning rates (1e-4 to 3e-4)
 
 PATTERNS = ("healthy", "near_zero_early", "oscillating", "overfitting", "flat", "diverging", "too_noisy",
             "too_short")
 
+_CHECK_TRAINABLE = "check the trainable parameters (LoRA params > 0, target modules matched, labels not all -100)"
 
 _ADVICE = {
     "healthy": ("the loss decreases, then levels off: training is working", "nothing to fix"),
@@ -55,8 +57,7 @@ _ADVICE = {
         "raise LoRA dropout"),
     "flat": (
         "learning rate too low, LoRA rank too small, or no gradient reaching the adapter",
-        "check the trainable parameters (LoRA params > 0, target modules matched, labels not "
-        "all -100); raise the learning rate (LoRA typically 1e-4 to 3e-4); raise the rank"),
+        f"{_CHECK_TRAINABLE}; raise the learning rate (LoRA typically 1e-4 to 3e-4); raise the rank"),
     "diverging": (
         "learning rate far too high (or numerical trouble: overflow, broken records)",
         "lower the learning rate 10x, keep gradient clipping at 1.0, add warmup; check the "
@@ -98,12 +99,13 @@ def _fmt(value: Any) -> str:
   return str(value)
 
 
-def _make(pattern: str, summary: str, evidence: dict[str, Any], *, fix: str | None = None) -> Diagnosis:
-  cause, default_fix = _ADVICE[pattern]
+def _make(pattern: str, summary: str, evidence: dict[str, Any], *, fix: str | None = None,
+          cause: str | None = None) -> Diagnosis:
+  default_cause, default_fix = _ADVICE[pattern]
   clean = {k: (_rounded(float(v)) if isinstance(v, (float, np.floating)) else
                int(v) if isinstance(v, (np.integer,)) else bool(v) if isinstance(v, np.bool_) else v)
            for k, v in evidence.items()}
-  return Diagnosis(pattern, summary, cause, fix or default_fix, clean)
+  return Diagnosis(pattern, summary, cause or default_cause, fix or default_fix, clean)
 
 
 def _rounded(value: float) -> float:
@@ -355,10 +357,29 @@ def _without_trend(loss: np.ndarray, grads: np.ndarray | None, lv: _Levels, vali
     return _make("flat", f"{no_trend}, and the learning rate peaked at {peak:.3g}, too low for the adapter to move "
                  "(AdamW moves each weight by about the learning rate a step; LoRA typically trains at 1e-4 to "
                  "3e-4)", evidence)
+  advice = _flat_advice(_peak_lr(learning_rate, evidence), evidence)
   if abs(change) < FLAT_REL_DROP:
     return _make("flat", f"the loss barely moved: {first:.4g} -> {last:.4g} ({change:+.1%}); "
-                 "what varies looks like batch-to-batch noise", evidence)
-  return _make("flat", f"{no_trend} is within what batch-to-batch noise moves these levels", evidence)
+                 "what varies looks like batch-to-batch noise", evidence, **advice)
+  return _make("flat", f"{no_trend} is within what batch-to-batch noise moves these levels", evidence, **advice)
+
+
+def _flat_advice(peak_lr: float | None, evidence: dict[str, Any]) -> dict[str, str]:
+  """{cause, fix} of a still curve whose learning rate peaked at USUAL_LORA_LR or above, where "too
+  low a rate, raise it into the usual range" would be no advice: too few steps, a longer run first
+  (with how much of an epoch this one covered), then a higher rate (where it is not above the usual
+  range already) or rank. {} (the usual advice) otherwise."""
+  if peak_lr is None or peak_lr < USUAL_LORA_LR:
+    return {}
+  cause = "too few steps, LoRA rank too small, or no gradient reaching the adapter"
+  steps, per_epoch = evidence["n_points"], evidence.get("steps_per_epoch")
+  longer = "train longer" + (f" ({steps} steps were {steps / per_epoch:.0%} of one epoch)"
+                             if per_epoch and steps < per_epoch else "")
+  if peak_lr <= 3 * USUAL_LORA_LR:
+    return {"cause": cause, "fix": f"{_CHECK_TRAINABLE}; the learning rate peaked at {peak_lr:.3g}, in LoRA's usual "
+            f"range (1e-4 to 3e-4): {longer}, then try a 2-3x higher learning rate or a larger rank"}
+  return {"cause": cause, "fix": f"{_CHECK_TRAINABLE}; the learning rate peaked at {peak_lr:.3g}, above LoRA's usual "
+          f"range (1e-4 to 3e-4), so it is not too low: {longer} or raise the rank"}
 
 
 def _could_show_a_fall(lv: _Levels, validated: bool, evidence: dict[str, Any]) -> bool:
