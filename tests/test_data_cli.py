@@ -110,6 +110,7 @@ def test_a_record_the_template_cannot_label_is_an_error_or_a_skip(note_model, tm
   assert run(data, "raise") == 2
   err = capsys.readouterr().err
   assert err.startswith(f"error: {data}: line 3: field 'completion': missing") and err.count("\n") == 1
+  assert err.endswith("; --on-error skip leaves such records out, counted and reported\n"), err
   assert run(data_without_line_3, "raise") == 2
   err = capsys.readouterr().err
   assert err.startswith(f"error: {data_without_line_3}: line 5: assistant turn 1: the chat template renders")
@@ -129,6 +130,7 @@ def test_the_trainer_reports_a_record_the_template_cannot_label_in_one_line(note
                      f"data.cache_dir={tmp_path / 'cache'}", "--no-progress"])
   assert done.returncode == 2, done.stderr
   assert f"error: {data}: line 5: assistant turn 1: the chat template renders" in done.stderr
+  assert "; data.on_error=skip leaves such records out, counted and reported" in done.stderr
   assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()
 
 

@@ -83,8 +83,8 @@ def _main(args) -> int:
     if args.command == "stats":
       args.cost = _cost(args.cost_from)
     records, tokenized, result, skipped = _tokenized(args, tokenizer)
-  except DataError:
-    raise
+  except DataError as e:
+    raise (e.with_skip_hint("--on-error skip") if args.on_error == "raise" else e) from None
   except ValueError as e:  # a setting the tokenizer or batching refuses (e.g. a bad --format)
     raise DataError(str(e)) from None
   if args.command == "build":

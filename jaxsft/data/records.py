@@ -62,6 +62,14 @@ class DataError(JaxsftError, ValueError):
     parts = [p for p in (path, where, f"field {field!r}" if field else None) if p]
     super().__init__(f"{': '.join(parts)}: {message}" if parts else message)
 
+  def with_skip_hint(self, setting: str) -> "DataError":
+    """This error, and where it names one record (`where`), how to go on without such records:
+    `setting` is the command's spelling of on_error="skip" (`data.on_error=skip`, `--on-error skip`)."""
+    if self.where is None:
+      return self
+    return DataError(f"{self.reason}; {setting} leaves such records out, counted and reported", path=self.path,
+                     where=self.where, field=self.field)
+
 
 class Record(dict):
   """A normalized record that remembers where it was read (`path`, and `where` as in DataError).

@@ -102,6 +102,13 @@ def load_file(path: str, cfg: config_lib.TrainConfig, *, fmt: str | None = None,
   """The records of a data file: a token store's lazy view (`data.cache`), else loaded and checked
   against the chat template, a record it cannot label skipped or named (`data.on_error`). `fmt` and
   `field_map` (a `data.mix` source's) replace `data.format` and `data.field_map`."""
+  try:
+    return _load_file(path, cfg, fmt=fmt, field_map=field_map)
+  except data_lib.DataError as e:
+    raise (e.with_skip_hint("data.on_error=skip") if cfg.data.on_error == "raise" else e) from None
+
+
+def _load_file(path: str, cfg: config_lib.TrainConfig, *, fmt: str | None, field_map: dict | None):
   d = cfg.data
   fmt, field_map = (d.format, d.field_map) if fmt is None else (fmt, field_map)
   tokenizer = models.load_tokenizer(cfg.model.name)
