@@ -165,8 +165,8 @@ def account(cfg: config_lib.TrainConfig, collation: Collation, data, steps, toke
     if choice.candidates:
       record["chosen_with"] = choice.cost.to_dict()
       record["candidates"] = [c.summary() for c in choice.candidates]
-  log.info("collation %s: predicted %.1fs of steps, %.1fs of compiles (cost fitted to %s)", record["choice"],
-           predicted.steps, predicted.compiles, cost.source)
+  log.info("collation %s: predicted %.1fs of steps over %.3g epochs, %.1fs of compiles (cost fitted to %s)",
+           record["choice"], predicted.steps, epochs, predicted.compiles, cost.source)
   phases = {"probe": collation.probes.tally} if collation.probes else {}
   phases["warm_up"] = warm_up
   return CollationAccount(record, {**forecast.to_dict(), "prices": compile_prices.source}, phases, tuple(generation),

@@ -153,9 +153,11 @@ def log_choice(choice: Choice) -> None:
              choice.cost.source)
     return
   best = choice.candidates[0]
-  log.info("collation auto: %s %s, predicted %.1fs (steps %.1fs + compiles %.1fs; cost %s)", best.name,
-           best.batching.get("bucket_lengths") or "", best.predicted.total, best.predicted.steps,
-           best.predicted.compiles, choice.cost.source)
+  # Every candidate is priced over the same data, `choice.epochs` (with max_steps: that many batches
+  # of the widest shape); the run's own prediction, logged next, is over the batches it will run.
+  log.info("collation auto: %s %s, predicted %.1fs over %.3g epochs (steps %.1fs + compiles %.1fs; cost %s)",
+           best.name, best.batching.get("bucket_lengths") or "", best.predicted.total, choice.epochs,
+           best.predicted.steps, best.predicted.compiles, choice.cost.source)
   for other in choice.candidates[1:6]:
     log.info("  runner-up %s: predicted %.1fs (steps %.1fs + compiles %.1fs)", other.name, other.predicted.total,
              other.predicted.steps, other.predicted.compiles)
