@@ -7,8 +7,9 @@
 - `read_metrics`: the one `metrics.jsonl` reader (the doctor, the plot and the tests use it).
 
 metrics.jsonl holds one JSON object per line:
-  {"event": "config", "steps_per_epoch": ..., "vocab_size": ..., ...}
-                                                        once, at the start of a fresh run
+  {"event": "config", "steps_per_epoch": ..., "vocab_size": ..., "collation": ..., ...}
+                                                        once, at the start of a fresh run (its
+                                                        collation is what a resumed run keeps)
   {"step": s, "loss": ..., "lr": ..., ...}              every optimizer step (+ "val_loss")
   {"step": 0, "val_loss": ...}                          the base model's held-out loss
   {"step": s, "epoch": e, "epoch_loss": ...}            when epoch e ended (logged with step s)

@@ -257,6 +257,35 @@ def test_resume_falls_back_past_a_damaged_checkpoint(tiny_dir, small_data, tmp_p
 
 
 @pytest.mark.slow
+def test_a_resumed_run_keeps_the_collation_it_started_with(tiny_dir, small_data, tmp_path, train_main):
+  """bucketed_packed chooses its widths from the lengths, pricing compiles over the planned steps: a
+  resume with another max_steps (or, under auto, other timings) could choose other batches, which the
+  checkpoint's data position does not belong to. The resumed run keeps the first one's and trains on
+  the batches an uninterrupted run with that collation trains on; a config that fixes another
+  collation is refused."""
+  steps = ["save_every=3", "eval.eval_every=0", "eval.generate=false", "data.batching=bucketed_packed"]
+  out = tmp_path / "run"
+  r = train_main(base_args(tiny_dir, small_data, out, "max_steps=3", *steps))
+  assert r.returncode == 0, r.stderr
+  first = json.loads((out / "summary.json").read_text())["collation"]["batching"]
+  assert [l for l in read_metrics(out)[2] if l.get("event") == "config"][0]["collation"] == first
+  r = train_main(base_args(tiny_dir, small_data, out, "max_steps=6", "--resume", *steps))
+  assert r.returncode == 0, r.stderr
+  assert "as this run chose at its start" in r.stderr and "resumed from step 3" in r.stderr
+  assert json.loads((out / "summary.json").read_text())["collation"]["batching"] == first
+  fixed = [f"data.bucket_lengths={json.dumps(first['bucket_lengths'])}", f"data.max_length={first['max_length']}"]
+  r = train_main(base_args(tiny_dir, small_data, tmp_path / "straight", "max_steps=6", *steps, *fixed))
+  assert r.returncode == 0, r.stderr
+  resumed, straight = read_metrics(out)[0], read_metrics(tmp_path / "straight")[0]
+  assert [l["step"] for l in resumed] == list(range(1, 7))
+  for a, b in zip(resumed, straight):
+    assert {k: a[k] for k in DETERMINISTIC} == {k: b[k] for k in DETERMINISTIC}, a["step"]
+  r = train_main(base_args(tiny_dir, small_data, out, "max_steps=9", "--resume", *steps, "data.batching=static"))
+  assert r.returncode == 2 and "Traceback" not in r.stderr
+  assert "--resume: the checkpoints' data position belongs to the batches of bucketed_packed" in r.stderr
+
+
+@pytest.mark.slow
 def test_data_running_out_early_still_ends_with_a_fresh_validation(tiny_dir, small_data, tmp_path, tokenizer, train_main):
   """Packed epochs can pack tighter than the first one (the planned step count is one epoch's
   batches x epochs): the run then stops early, and its last validation is of its last step."""

@@ -25,7 +25,7 @@ pipeline's entry points Grain (and with it jax). Equations and the record in sum
 docs/collation_cost.md.
 """
 
-_PLANNER = ("plan", "Collation")
+_PLANNER = ("plan", "Collation", "resolved")
 _BATCHES = ("make_batches", "batch_shapes", "count_batches")
 
 

@@ -5,6 +5,7 @@ where the choice needs seconds, and returns it with what the probes compiled (`C
 from __future__ import annotations
 
 import dataclasses
+import logging
 import pathlib
 from typing import Any
 
@@ -15,6 +16,8 @@ from jaxsft.collation import choice as choice_lib
 from jaxsft.collation import compiles as compiles_lib
 from jaxsft.collation import probe as probe_lib
 from jaxsft.data.collate import round_up
+
+log = logging.getLogger("jaxsft.train")  # the trainer's log: part of its setup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +63,19 @@ def base_batching(d: config_lib.DataConfig, batch_multiple_of: int) -> dict[str,
               pad_to_multiple_of=d.pad_to_multiple_of, batch_multiple_of=batch_multiple_of, train_on=d.train_on)
 
 
+RESOLVED_KEYS = ("batching", "bucket_lengths", "max_length")
+"""The keys of a resolved batching that decide its batches from the config's batch sizes (what a
+run records at its start, `resolved`, and a resumed run keeps)."""
+
+
+def resolved(batching: dict[str, Any]) -> dict[str, Any]:
+  """The collation a run's batches come from: `batching`'s RESOLVED_KEYS."""
+  return {key: batching[key] for key in RESOLVED_KEYS}
+
+
 def plan(cfg: config_lib.TrainConfig, train_tokens, val_tokens, *, batch_multiple_of: int,
-         target: probe_lib.ProbeTarget | None = None, train_lengths: np.ndarray | None = None) -> Collation:
+         target: probe_lib.ProbeTarget | None = None, train_lengths: np.ndarray | None = None,
+         resumed: dict[str, Any] | None = None) -> Collation:
   """The run's collation over its tokenized splits (`TokenizedRecords`).
 
   Where the config leaves the shapes to the lengths (bucketed or bucketed packing without
@@ -72,12 +86,19 @@ def plan(cfg: config_lib.TrainConfig, train_tokens, val_tokens, *, batch_multipl
   cost. With a `target` (the trainer's plan), this machine's compile calibration is loaded too.
   `train_lengths`: the lengths one training epoch reads, in its order, where the caller knows them
   better than the configured batching's order of `train_tokens` (a `data.mix` epoch).
+
+  `resumed`: the collation (`resolved`) of the run a checkpoint continues. Its data position belongs
+  to those batches, so where the config leaves the collation to the lengths or timings, it is kept,
+  not chosen again (a choice made over another max_steps, or on other timings, could differ); a
+  config that fixes another collation is refused.
   """
   d = cfg.data
   calibration, path = load_calibration(cfg) if target is not None else (compiles_lib.Calibration(), None)
   batching = base_batching(d, batch_multiple_of)
   if train_lengths is None:
     train_lengths = choice_lib.priced_lengths(d.batching, train_tokens, seed=d.seed)
+  if resumed is not None:
+    return Collation(keep_resumed(d, batching, resumed), None, train_lengths, None, calibration, path)
   if d.batching not in choice_lib.CHOOSES_FROM_LENGTHS or d.bucket_lengths:
     return Collation(batching, None, train_lengths, None, calibration, path)
   lengths = np.concatenate([train_lengths, val_tokens.lengths])
@@ -90,3 +111,24 @@ def plan(cfg: config_lib.TrainConfig, train_tokens, val_tokens, *, batch_multipl
                              cost=probes.cost if probes else None)
   batching.update(choice.batching)
   return Collation(batching, choice, train_lengths, probes, calibration, path)
+
+
+def keep_resumed(d: config_lib.DataConfig, batching: dict[str, Any], resumed: dict[str, Any]) -> dict[str, Any]:
+  """`batching` with the resumed run's collation (see `plan`); a `ConfigError` where the config fixes
+  another one."""
+  if d.batching in choice_lib.CHOOSES_FROM_LENGTHS and not d.bucket_lengths:
+    log.info("collation: %s %s, as this run chose at its start (a resumed run does not choose again: "
+             "its checkpoint's data position belongs to those batches)", resumed["batching"],
+             resumed["bucket_lengths"] or "")
+    return {**batching, **resumed}
+  if resolved(batching) != resumed:
+    raise config_lib.ConfigError(
+        f"--resume: the checkpoints' data position belongs to the batches of {_described(resumed)}, the "
+        f"collation this run started with; this config gives {_described(resolved(batching))}. Resume "
+        f"with the data settings the run started with (data.batching, data.bucket_lengths, data.max_length).")
+  return batching
+
+
+def _described(collation: dict[str, Any]) -> str:
+  buckets = f" {collation['bucket_lengths']}" if collation["bucket_lengths"] else ""
+  return f"{collation['batching']}{buckets} at max_length {collation['max_length']}"

@@ -157,10 +157,10 @@ class DataPlan:
 
 
 def plan_data(cfg: config_lib.TrainConfig, train_records: list[dict], val_records: list[dict], tokenizer,
-              batch_multiple_of: int, target: ProbeTarget | None = None) -> DataPlan:
+              batch_multiple_of: int, target: ProbeTarget | None = None, resumed: dict | None = None) -> DataPlan:
   """Both splits tokenized once, the batching resolved by the collation plan (with `target`, the
-  trainer's model to probe the step's cost on where the choice needs seconds) and every batch
-  shape listed."""
+  trainer's model to probe the step's cost on where the choice needs seconds; `resumed`, the
+  collation of the run a checkpoint continues) and every batch shape listed."""
   d = cfg.data
   tokens = dict(max_length=d.max_length, train_on=d.train_on)
   train_tokens = data_lib.store.stored_tokens(train_records, tokenizer, **tokens)
@@ -174,9 +174,9 @@ def plan_data(cfg: config_lib.TrainConfig, train_records: list[dict], val_record
     mix = mix_lib.Mix(train_records.sizes, tuple(source.weight for source in d.mix))
     train_lengths = data_lib.epoch_lengths(train_tokens, seed=d.seed, mix=mix)  # what one epoch of the mix reads
   collation = collation_lib.plan(cfg, train_tokens, val_tokens, batch_multiple_of=batch_multiple_of, target=target,
-                                 train_lengths=train_lengths)
+                                 train_lengths=train_lengths, resumed=resumed)
   batching = collation.batching
-  if collation.choice is not None:  # chosen from the lengths: max_length is the longest example rounded up
+  if batching["max_length"] != d.max_length:  # chosen from the lengths: the longest example rounded up
     train_tokens = train_tokens.with_max_length(batching["max_length"])
     val_tokens = val_tokens.with_max_length(batching["max_length"])
   shard = jax.process_count() > 1

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from jaxsft import collation as collation_lib
 from jaxsft import config as config_lib
 from jaxsft import flops as flops_lib
 from jaxsft import lora as lora_lib
@@ -156,7 +157,8 @@ def _setup(cfg: config_lib.TrainConfig, files: RunFiles, t_start: float,
   frozen = with_layers_packed(frozen)
 
   target = ProbeTarget(graphdef, trainable, frozen, mesh, with_eval=bool(val_records))
-  data = plan_data(cfg, train_records, val_records, tokenizer, mesh.batch_multiple_of, target)
+  data = plan_data(cfg, train_records, val_records, tokenizer, mesh.batch_multiple_of, target,
+                   resumed=resumed_collation(files) if cfg.resume else None)
   steps_per_epoch = max(data.batches_per_epoch // cfg.optim.grad_accum, 1)
   # max_steps (like Hugging Face's) overrides epochs: the data repeats for as long as it takes.
   total_steps = cfg.max_steps if cfg.max_steps else steps_per_epoch * cfg.epochs
@@ -180,6 +182,18 @@ def _setup(cfg: config_lib.TrainConfig, files: RunFiles, t_start: float,
             config_line=config_line, collation=collation, flop_count=flop_count, peak_flops=peak_flops,
             param_bytes=param_bytes)
   return run, RunState(trainable=trainable, opt_state=opt_state)
+
+
+def resumed_collation(files: RunFiles) -> dict | None:
+  """The collation the run in `files.dir` started with (its metrics' config line), where a checkpoint
+  is there to continue; None without one, or where the config line does not record it."""
+  from jaxsft import run_files
+
+  has_checkpoint = files.checkpoints.is_dir() and any(p.name.isdigit() for p in files.checkpoints.iterdir())
+  if not (has_checkpoint and files.metrics.exists()):
+    return None
+  config = next((r for r in run_files.read_records(files.metrics) if r.get("event") == "config"), {})
+  return config.get("collation")
 
 
 def resolve_peak_flops(cfg: config_lib.TrainConfig) -> float | None:
@@ -218,6 +232,7 @@ def warm_up(cfg: config_lib.TrainConfig, data: DataPlan, steps: step_lib.Compile
            counter.seconds - seconds0, len(data.shapes))
   config_line = {"event": "config", "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
                  "batch_shapes": data.shapes, "bucket_lengths": data.batching["bucket_lengths"],
+                 "collation": collation_lib.resolved(data.batching),  # what a resumed run keeps
                  "warmup_compiles": compiles, "warmup_seconds": round(seconds, 2), "trainable_params": n_trainable,
                  # for the doctor: ln(vocab_size) is what a uniform guess scores
                  "vocab_size": flop_count.vocab_size if flop_count else None, **param_bytes}
