@@ -2,6 +2,7 @@
 "collation" record of a run with `batching: auto` is checked in test_compiles.py, on its cold run."""
 
 import numpy as np
+import pytest
 
 from jaxsft import config as config_lib
 from jaxsft.collation import choice as collation
@@ -47,3 +48,22 @@ def test_timed_shapes_spread_over_the_widths():
   assert len(picked) == 6 and picked[0] == (8, 8) and picked[-1] == (8, 512)
   assert collation.timed_shapes(shapes[:3]) == shapes[:3]
   assert collation.probe_widths(344, 8) == [88, 176, 344]
+
+
+def test_a_resumed_collation_is_kept_where_jaxsft_chose_it_and_refused_where_the_config_fixes_another():
+  from jaxsft.collation import planner
+
+  first = {"batching": "bucketed_packed", "bucket_lengths": [96, 256], "max_length": 256}
+
+  def kept(**data):
+    cfg = config_lib.TrainConfig()
+    for key, value in data.items():
+      setattr(cfg.data, key, value)
+    return planner.resolved(planner.keep_resumed(cfg.data, planner.base_batching(cfg.data, 1), first))
+
+  assert kept(batching="auto") == kept(batching="bucketed_packed", max_length=512) == first
+  assert kept(batching="bucketed_packed", bucket_lengths=(96, 256), max_length=256) == first
+  for changed in ({"batching": "static"}, {"batching": "auto", "max_length": 128},
+                  {"batching": "bucketed_packed", "bucket_lengths": (128, 256), "max_length": 256}):
+    with pytest.raises(config_lib.ConfigError, match=r"--resume: .* bucketed_packed \[96, 256\] at max_length 256"):
+      kept(**changed)

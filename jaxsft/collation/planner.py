@@ -116,12 +116,12 @@ def plan(cfg: config_lib.TrainConfig, train_tokens, val_tokens, *, batch_multipl
 def keep_resumed(d: config_lib.DataConfig, batching: dict[str, Any], resumed: dict[str, Any]) -> dict[str, Any]:
   """`batching` with the resumed run's collation (see `plan`); a `ConfigError` where the config fixes
   another one."""
-  if d.batching in choice_lib.CHOOSES_FROM_LENGTHS and not d.bucket_lengths:
+  if d.batching in choice_lib.CHOOSES_FROM_LENGTHS and not d.bucket_lengths and resumed["max_length"] <= d.max_length:
     log.info("collation: %s %s, as this run chose at its start (a resumed run does not choose again: "
              "its checkpoint's data position belongs to those batches)", resumed["batching"],
              resumed["bucket_lengths"] or "")
     return {**batching, **resumed}
-  if resolved(batching) != resumed:
+  if resolved(batching) != resumed:  # another fixed collation, or examples cut shorter than the run's
     raise config_lib.ConfigError(
         f"--resume: the checkpoints' data position belongs to the batches of {_described(resumed)}, the "
         f"collation this run started with; this config gives {_described(resolved(batching))}. Resume "
