@@ -84,8 +84,9 @@ Rules, first match wins:
                       size in this noise is expected to give, at or past -TREND_Z), or a peak
                       learning rate under LOW_LR (1e-5: under AdamW each weight moves about lr a
                       step at most). Without any of them: too_noisy. A flat curve whose learning
-                      rate peaked at USUAL_LORA_LR (1e-4) or above is told to train longer (with
-                      the share of an epoch it covered), not to raise the rate into that range
+                      rate peaked in USUAL_LORA_LR (1e-4 to 3e-4) or above is told to train
+                      longer (with the share of an epoch it covered), not to raise the rate
+                      into that range
   7. healthy          otherwise; "plateaued" when the last quarter of the run holds under
                       PLATEAU_FRACTION (20%) of the total drop and, with validation, its last
                       interval fell less than half its average interval

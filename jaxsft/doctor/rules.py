@@ -36,7 +36,7 @@ WILD_NOISE_REL = 0.75
 PLATEAU_FRACTION = 0.2
 DETECT_REL_DROP = 0.25
 LOW_LR = 1e-5
-USUAL_LORA_LR = 1e-4  # the low end of LoRA's usual peak learning rates (1e-4 to 3e-4)
+USUAL_LORA_LR = (1e-4, 3e-4)  # LoRA's usual peak learning rates
 
 PATTERNS = ("healthy", "near_zero_early", "oscillating", "overfitting", "flat", "diverging", "too_noisy",
             "too_short")
@@ -365,17 +365,18 @@ def _without_trend(loss: np.ndarray, grads: np.ndarray | None, lv: _Levels, vali
 
 
 def _flat_advice(peak_lr: float | None, evidence: dict[str, Any]) -> dict[str, str]:
-  """{cause, fix} of a still curve whose learning rate peaked at USUAL_LORA_LR or above, where "too
+  """{cause, fix} of a still curve whose learning rate peaked in USUAL_LORA_LR or above, where "too
   low a rate, raise it into the usual range" would be no advice: too few steps, a longer run first
   (with how much of an epoch this one covered), then a higher rate (where it is not above the usual
   range already) or rank. {} (the usual advice) otherwise."""
-  if peak_lr is None or peak_lr < USUAL_LORA_LR:
+  low, high = USUAL_LORA_LR
+  if peak_lr is None or peak_lr < low:
     return {}
   cause = "too few steps, LoRA rank too small, or no gradient reaching the adapter"
   steps, per_epoch = evidence["n_points"], evidence.get("steps_per_epoch")
   longer = "train longer" + (f" ({steps} steps were {steps / per_epoch:.0%} of one epoch)"
                              if per_epoch and steps < per_epoch else "")
-  if peak_lr <= 3 * USUAL_LORA_LR:
+  if peak_lr <= high:
     return {"cause": cause, "fix": f"{_CHECK_TRAINABLE}; the learning rate peaked at {peak_lr:.3g}, in LoRA's usual "
             f"range (1e-4 to 3e-4): {longer}, then try a 2-3x higher learning rate or a larger rank"}
   return {"cause": cause, "fix": f"{_CHECK_TRAINABLE}; the learning rate peaked at {peak_lr:.3g}, above LoRA's usual "
