@@ -56,6 +56,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[pathlib.Path]:
   tmp = pathlib.Path(tmp)
   try:
     yield tmp
+    tmp.chmod(default_mode(directory=False))  # after the writer: some (safetensors) replace the temp with a private one
     with open(tmp, "rb") as f:
       os.fsync(f.fileno())
     rename_over(tmp, path)
@@ -109,10 +110,11 @@ def replace_directory(target: str | os.PathLike, fill: Callable[[pathlib.Path], 
   target = pathlib.Path(target)
   target.parent.mkdir(parents=True, exist_ok=True)
   remove_leftovers(target)
-  tmp = pathlib.Path(tempfile.mkdtemp(prefix=temp_prefix(target), suffix=".tmp", dir=target.parent))
+  tmp = make_temp_directory(target)
   old = tmp.with_suffix(".old")
   try:
     fill(tmp)
+    _give_default_modes(tmp)
     _fsync_tree(tmp)
     if not _rename_unless_taken(tmp, target) and not _exchange(tmp, target):  # now `tmp` holds the old folder
       rename_over(target, old)
@@ -145,6 +147,36 @@ def remove_directory(target: str | os.PathLike) -> None:
   aside = pathlib.Path(tempfile.mkdtemp(prefix=temp_prefix(target), suffix=".tmp", dir=target.parent))
   rename_over(target, aside)  # over the fresh empty folder: atomic
   shutil.rmtree(aside, ignore_errors=True)
+
+
+def make_temp_directory(target: pathlib.Path) -> pathlib.Path:
+  """A fresh, empty folder beside `target`, to be filled and renamed to it, with the mode a plain
+  `mkdir` would give it (`default_mode`)."""
+  tmp = pathlib.Path(tempfile.mkdtemp(prefix=temp_prefix(target), suffix=".tmp", dir=target.parent))
+  tmp.chmod(default_mode(directory=True))
+  return tmp
+
+
+def default_mode(*, directory: bool) -> int:
+  """The mode `open(path, "w")` or `mkdir` would give a new file or folder: 0o666 or 0o777 less the
+  process's umask. `tempfile` makes its temps private (0o600, 0o700) whatever the umask; a file
+  renamed from a temp keeps that mode, so an exported model or a shared cache would be unreadable
+  by the other users a plain write lets read it."""
+  return (0o777 if directory else 0o666) & ~_umask()
+
+
+def _umask() -> int:
+  """The process's umask, read from /proc where Linux shows it; elsewhere set and put back
+  (`os.umask` has no read-only form)."""
+  try:
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+      if line.startswith("Umask:"):
+        return int(line.split()[1], 8)
+  except OSError:
+    pass
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return mask
 
 
 def temp_prefix(target: pathlib.Path) -> str:
@@ -229,6 +261,14 @@ def _fsync_dir(folder: pathlib.Path) -> None:
     os.fsync(fd)
   finally:
     os.close(fd)
+
+
+def _give_default_modes(folder: pathlib.Path) -> None:
+  """Every file and folder under `folder` gets `default_mode`: a library that writes through a
+  temp of its own (safetensors) leaves its file private."""
+  for path in folder.rglob("*"):
+    if not path.is_symlink():
+      path.chmod(default_mode(directory=path.is_dir()))
 
 
 def _fsync_tree(folder: pathlib.Path) -> None:

@@ -747,3 +747,29 @@ def test_a_dead_builders_half_built_token_store_is_removed_by_the_next_build(tok
   result = store.open_or_build(str(data), tokenizer, max_length=64, cache_dir=cache)
   assert result.built and not left.exists()
   assert sorted(p.name for p in cache.iterdir()) == [key]
+
+
+def test_written_files_and_folders_get_the_mode_a_plain_write_would(tiny_run, tokenizer, tmp_path):
+  """Files published from a temp (the adapter, an export, a token store, a JSON file) are as readable
+  as the umask lets a plain `open(..., "w")` make them: tempfile and safetensors make theirs private."""
+  from tuned_tiny import make_adapter
+
+  from jaxsft import export
+  from jaxsft import io as jaxsft_io
+  from jaxsft.data import store, synthetic
+
+  data = synthetic.write_jsonl(synthetic.make_dataset(8, seed=3), tmp_path / "tasks.jsonl")
+  before = os.umask(0o027)
+  try:
+    written = [make_adapter(tiny_run["model"], tmp_path / "adapter"),
+               export.export(str(tiny_run["model"]), None, tmp_path / "exported"),
+               store.open_or_build(str(data), tokenizer, max_length=64, cache_dir=tmp_path / "tokens").store.folder,
+               jaxsft_io.write_json(tmp_path / "notes" / "summary.json", {"a": 1}).parent]
+  finally:
+    os.umask(before)
+  modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777)
+           for folder in written for p in [folder, *folder.rglob("*")]}
+  assert any(name.endswith(".safetensors") for name in modes), modes
+  wrong = {name: mode for name, mode in modes.items()
+           if mode != oct(0o750 if (tmp_path / name).is_dir() else 0o640)}
+  assert wrong == {}, wrong

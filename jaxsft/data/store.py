@@ -37,7 +37,6 @@ import logging
 import os
 import pathlib
 import shutil
-import tempfile
 import time
 import zlib
 from typing import Any, Sequence
@@ -394,8 +393,7 @@ def open_or_build(path, tokenizer, *, max_length: int, train_on: str = "all_assi
     return StoreResult(store, False, time.perf_counter() - t0)
   root.mkdir(parents=True, exist_ok=True)
   io.remove_leftovers(final)  # the half-built stores of builders that died
-  tmp = pathlib.Path(tempfile.mkdtemp(prefix=io.temp_prefix(final), suffix=".tmp", dir=root))
-  tmp.chmod(0o755)  # mkdtemp makes it private; a store is as readable as any cache file
+  tmp = io.make_temp_directory(final)
   try:
     with io.naming_the_target(final):  # a full disk's error names no path of its own
       build_store(tmp, path, tokenizer, max_length=max_length, train_on=train_on, fmt=fmt, field_map=field_map,
