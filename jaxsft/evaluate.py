@@ -73,23 +73,15 @@ def cut_short_text(cut: dict[str, int]) -> str:
           f"(the longest: {cut['longest']} tokens)")
 
 
-def base_of(model):
-  """The same graph with every LoRA param zeroed: its outputs are exactly the base model's."""
-  import jax  # here, not at the top: `jaxsft evaluate --help` loads no JAX
-  from flax import nnx
-
-  graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
-  return nnx.merge(graphdef, jax.tree.map(jax.numpy.zeros_like, lora), rest)
-
-
 def compare_base_and_tuned(model, tokenizer, records: Sequence[dict], cfg, base=None,
                            show: bool = True) -> dict[str, Any]:
   """Generate with base and tuned on the first `num_prompts` held-out records; loss and score.
 
-  `base`: the untuned model (full fine-tuning); None: `model` with its LoRA zeroed. `show`:
+  `base`: the untuned model (full fine-tuning); None: `model` without its adapter (`lora.base_of`). `show`:
   print the comparison on stderr.
   """
-  from jaxsft.generate import generate
+  from jaxsft.generate import generate  # here, not at the top: `jaxsft evaluate --help` loads no JAX
+  from jaxsft.lora import base_of
 
   records = list(records)[: cfg.eval.num_prompts]
   prompts = [prompt_messages(r) for r in records]

@@ -179,6 +179,20 @@ def remove_lora(model):
   return model
 
 
+def base_of(model):
+  """The same graph computing the base model's outputs, sharing its weights, for the tuned-vs-base
+  comparison: every LoRA param zeroed, except DoRA's magnitude m, which becomes ‖W‖ (over the input
+  axis) so that its column scale m / ‖W + s·A B‖ is 1 with B = 0. Zeroed, m would scale every
+  targeted projection's output to 0."""
+  graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+  base = nnx.merge(graphdef, jax.tree.map(jnp.zeros_like, lora), rest)
+  for name in module_paths(base):
+    proj = _projection(base, name)
+    if proj.lora_magnitude is not None:
+      proj.lora_magnitude = nnx.LoRAParam(_weight_norm(proj, proj.lora_scale))
+  return base
+
+
 def merge_lora(model):
   """Fold s · A B into the base kernels (in the base dtype) and remove the adapters, in place;
   DoRA: W' = (W + s·A B) · diag(m / ‖W + s·A B‖), the norm over the input axis (peft's merge)."""

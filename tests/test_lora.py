@@ -125,6 +125,20 @@ def test_dora_math_matches_the_rescaled_dense_weight_and_merges_to_it():
     np.testing.assert_allclose(np.asarray(merged(x)), np.asarray(dense(x)), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("use_dora", [False, True])
+def test_base_of_a_tuned_model_computes_the_base_and_leaves_the_tuned_one(use_dora):
+  """The tuned-vs-base comparison's base: a DoRA magnitude zeroed with the factors would scale the
+  targeted projections' outputs to 0, so base_of gives it ‖W‖ instead."""
+  tuned = lora.apply_lora(model(), r=4, alpha=8, target_modules=("q_proj", "down_proj"), use_dora=use_dora)
+  tuned = dora(tuned) if use_dora else randomize_b(tuned)
+  x = ids()
+  tuned_logits = np.asarray(tuned(x))
+  with jax.default_matmul_precision("highest"):
+    np.testing.assert_allclose(np.asarray(lora.base_of(tuned)(x)), np.asarray(model()(x)), rtol=1e-5, atol=1e-5)
+  assert np.abs(tuned_logits - np.asarray(model()(x))).max() > 1e-3  # the adapter changes the output
+  np.testing.assert_array_equal(np.asarray(tuned(x)), tuned_logits)  # and base_of left it in place
+
+
 def test_dora_with_dropout_is_peft_formula_and_the_norm_gets_no_gradient():
   """With dropout peft adds (g − 1)·x_d W + g·s·x_d A B to x W, x_d = dropout(x); and ∂/∂A, ∂/∂B
   treat the norm as a constant (peft detaches it)."""
