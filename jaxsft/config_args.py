@@ -21,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
       prog="jaxsft train",
       description="LoRA supervised fine-tuning in JAX. With no arguments it runs the embedded default "
       f"({DEFAULT_CONFIG.name}: SmolLM2-135M-Instruct on jaxsft's built-in synthetic task set); --config FILE "
-      "replaces that base. Defaults shown below are the dataclass defaults. "
+      "replaces that base. Each key shows its dataclass default, and where that base sets it otherwise, "
+      "the value a run without --config starts from. "
       "Overrides: --key value, --key=value or key=value. The run folder: RUN_DIR, as every jaxsft command "
       "takes it, or --output-dir.",
       formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -29,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
       epilog="Example: jaxsft train runs/alpaca --config configs/alpaca.yaml --lr 1e-4 max_steps=100",
   )
   parser.add_argument("--config", help="YAML file mirroring the config tree (configs/*.yaml)")
-  defaults = TrainConfig()
+  defaults, embedded = TrainConfig(), load_yaml(DEFAULT_CONFIG)
   reverse_alias = {v: k for k, v in ALIASES.items()}
   # One help section per part of the config tree, in the tree's order: `--help` reads as the YAML does.
   groups = {"": parser.add_argument_group("the run")}
@@ -39,12 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
       groups[section] = parser.add_argument_group(f"{section}.* ({section} section of the YAML)")
   for key, (tp, doc) in fields().items():
     group = groups[key.rsplit(".", 1)[0] if "." in key else ""]
-    obj = defaults
+    obj, base = defaults, embedded
     for part in key.split("."):
-      obj = getattr(obj, part)
+      obj, base = getattr(obj, part), getattr(base, part)
+    default = f"default {obj!r}" + (f"; without --config {base!r} ({DEFAULT_CONFIG.name})" if base != obj else "")
     names = [f"--{key}"] + ([f"--{reverse_alias[key]}"] if key in reverse_alias else [])
     choices = f" {{{'|'.join(CHOICES[key])}}}" if key in CHOICES else ""
-    help_text = f"{doc} [{type_name(tp)}{choices}; default {obj!r}]".strip()
+    help_text = f"{doc} [{type_name(tp)}{choices}; {default}]".strip()
     if tp is bool:
       group.add_argument(*names, dest=key, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
     elif key in MANY_VALUES:  # --data.mix a.json=0.7 b.jsonl=0.3

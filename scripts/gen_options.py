@@ -95,7 +95,7 @@ def render() -> str:
 
   tree = ast.parse(CONFIG_SOURCE.read_text())
   aliases = {key: alias for alias, key in config.ALIASES.items()}
-  defaults = config.TrainConfig()
+  defaults, embedded = config.TrainConfig(), config.load_yaml(config.DEFAULT_CONFIG)
   sections = walk(dataclass_fields(tree))
   lines = [
       "# Training options",
@@ -110,7 +110,8 @@ def render() -> str:
       "Every key below is set the same three ways: in a YAML file given with `--config` (nested: `optim: {lr: 1e-4}`),",
       "as a flag (`--optim.lr 1e-4`, or its short alias `--lr 1e-4`), or as `key=value` (`optim.lr=1e-4`); later ones win",
       "(defaults ← `--config` ← flags ← `key=value`). Without `--config` the base is the embedded default run",
-      "(`jaxsft/configs/default.yaml`), which sets some keys differently from the defaults listed here. An unknown key,",
+      "(`jaxsft/configs/default.yaml`), which sets some keys differently from the defaults listed here: those keys show",
+      "its value too (\"without `--config`\"). An unknown key,",
       "a value of the wrong type or outside its range is an error that names the key. `python -m jaxsft.train --help`",
       "prints the same list.",
       "",
@@ -126,7 +127,10 @@ def render() -> str:
         meaning += (" One of: " if row["type"] == "str" else " Or the word: ") + ", ".join(f"`{word}`" for word in config_checks.CHOICES[row["key"]]) + "."
       if row["key"] in config_checks.RANGES:
         meaning += f" Must be {config_checks.RANGES[row['key']][0]}."
-      lines.append(f"| {key} | `{_cell(row['type'])}` | `{_cell(repr(default_value(defaults, row['key'])))}` | {_cell(meaning)} |")
+      default = f"`{_cell(repr(default_value(defaults, row['key'])))}`"
+      if default_value(embedded, row["key"]) != default_value(defaults, row["key"]):
+        default += f"; without `--config` `{_cell(repr(default_value(embedded, row['key'])))}`"
+      lines.append(f"| {key} | `{_cell(row['type'])}` | {default} | {_cell(meaning)} |")
     lines.append("")
   return "\n".join(lines)
 

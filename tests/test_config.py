@@ -56,6 +56,16 @@ def test_every_key_is_in_help():
   assert "--lr" in text and "--data" in text
 
 
+def test_help_names_the_value_a_run_without_config_starts_from():
+  """The embedded default sets some keys otherwise than the dataclasses: a run on the user's own data
+  without --config starts from it, so --help shows both values."""
+  parser = config_args.build_parser()
+  help_of = {action.dest: " ".join(action.help.split()) for action in parser._actions}
+  assert help_of["optim.lr"].endswith("[float; default 0.0002; without --config 0.002 (default.yaml)]")
+  assert config_args.parse_args(["--data", "my.jsonl"]).optim.lr == 0.002
+  assert help_of["optim.b1"].endswith("[float; default 0.9]")  # default.yaml leaves it
+
+
 def test_the_run_folder_is_the_positional_run_dir_or_output_dir_alike():
   assert config_args.parse_args(["runs/a", "--lr", "1e-4", "max_steps=3"]).output_dir == "runs/a"
   assert config_args.parse_args(["max_steps=3", "runs/a"]) == config_args.parse_args(["--output-dir", "runs/a", "max_steps=3"])
