@@ -44,8 +44,8 @@ c·B·T² per step, h per trained token, p + q·T per compile, each times its me
 r(T), so every grid width costs what it measured and r is linear between them; a step's cost
 depends only on its shape, not on the token values). Packed rows (segment ids) are measured
 separately at (B, max_length), and charged the measured packed / padded ratio there. A mode compiles what jaxsft's trainer
-compiles before step 1: every shape `batch_shapes` lists (for dynamic, every width the data's
-lengths round to, since any batch may end at one).
+compiles before step 1: every shape `batch_shapes` lists (for dynamic, the widths of the batches
+the run reads, `dynamic_batch_shapes`: here, the epoch's).
 `--validate DATASET:MODE ...` runs modes for real as the trainer would (fresh compiles, then every
 batch) and puts the measured time beside the composed one. Steady-state tokens/s = tokens / sum of step seconds
 (compiles excluded); "real" counts attention_mask tokens, "trained" counts labels != -100.
@@ -121,8 +121,8 @@ def count_mode(records, tokenizer, mode: str, *, max_length: int, batch_size: in
   listed = batch_shapes(records, tokenizer, **config)
   distinct = sorted(set(shapes))
   # What a run compiles: every listed shape, as jaxsft's trainer does before step 1 (for dynamic,
-  # the widths the data's lengths give).
-  compiled = sorted(set(distinct) | set(listed))
+  # the widths of the epoch's batches, `dynamic_batch_shapes`).
+  compiled = distinct if config["batching"] == "dynamic" else sorted(set(distinct) | set(listed))
   summary = {
       "batches": stats.batches, "fill_rows": stats.fill_rows, "padded": stats.padded_tokens,
       "real": stats.real_tokens, "trained": stats.label_tokens, "waste_pct": 100 * stats.waste_frac,
@@ -225,8 +225,8 @@ def compose(summary: dict, shapes, calibration: dict, cost, *, packed: bool) -> 
 def measure(model, cfg, records, tokenizer, mode: str, *, max_length: int, batch_size: int, seed: int = 0,
             tokenized=None, auto: dict | None = None) -> dict:
   """A real run of one epoch, as the trainer does it: pipeline, AOT compile of every shape the
-  epoch emits (all listed shapes but for dynamic, whose 128 listed widths would all be compiled
-  by jaxsft's trainer; here only the widths that occur), then every batch."""
+  epoch emits (all listed shapes; for dynamic, as jaxsft's trainer, only the widths that occur),
+  then every batch."""
   from jaxsft.collation.batches import batch_shapes, make_batches
 
   config = dict(mode_config(mode, max_length=max_length, batch_size=batch_size, auto=auto), tokenized=tokenized)
@@ -421,8 +421,8 @@ def markdown(result: dict, command: str) -> str:
       f"`CompiledSteps`: LoRA r 8 on q/v, clip + AdamW) on {result['model_description']}, {result['dtype']}, "
       f"{result['machine']['backend']}.", "",
       "Columns: *shapes* = distinct (B, T) the epoch emits, and in brackets the shapes `batch_shapes` lists "
-      "(jaxsft's trainer compiles every listed shape before step 1; for dynamic, every width the data's lengths "
-      "round to, since any batch may end at one); *compiles* = the listed shapes compiled, plus the run's one-off "
+      "(jaxsft's trainer compiles every listed shape before step 1; for dynamic, only the widths of the batches "
+      "it reads); *compiles* = the shapes compiled, plus the run's one-off "
       "compiles (see Per-shape costs); *waste* = "
       "padding tokens / padded tokens (B x T summed, fill rows included); *tok/s* = real (attention-mask) and "
       "trained (label) tokens per second of step time, compiles excluded; *end to end* = pipeline + compiles "

@@ -274,6 +274,22 @@ def test_epoch_lengths_are_the_epochs_order_and_price_its_batches(records, token
   assert np.array_equal(collation.priced_lengths("bucketed", tokens, seed=3), tokens.lengths)
 
 
+@pytest.mark.parametrize("num_batches", [3, 60, 110])
+def test_dynamic_batch_shapes_are_those_the_first_batches_of_a_run_emit(records, tokenizer, tokens, num_batches):
+  """What a dynamic run warms up: the shapes of the batches it reads, over epochs each in its own
+  order (a batch per 4 examples; an epoch's last batch holds its leftovers), not every width."""
+  import itertools
+
+  from jaxsft.data import dynamic_batch_shapes
+
+  config = dict(max_length=MAX_LENGTH, batching="dynamic", batch_size=4, seed=3)
+  stream = make_batches(records, tokenizer, tokenized=tokens, num_epochs=None, **config)
+  emitted = sorted({b["input_ids"].shape for b in itertools.islice(stream, num_batches)})
+  assert dynamic_batch_shapes(tokens, num_batches=num_batches, **config) == emitted
+  assert (count_batches(tokens, **config) < num_batches) == (num_batches > 3)  # the long cases cross epochs
+  assert len(emitted) < len(batch_shapes(tokenized=tokens, **config))  # fewer than every width
+
+
 class EncodeCounter:
   """The real tokenizer, but its backend counts the texts it encodes."""
 

@@ -5,7 +5,9 @@ Batches per shape of one epoch, from the lengths alone (the pipeline emits exact
 counts in the order the lengths are given, which for a shuffled epoch is its order):
 
     static            ceil(N / B) batches of (B, max_length)
-    dynamic           batches of B consecutive examples, each as wide as its longest (rounded up)
+    dynamic           batches of B consecutive examples, each as wide as its longest (rounded up);
+                      the widths of these batches are what a run compiles (later epochs' own
+                      orders may add a few)
     bucketed          ceil(n_k / B_k) batches of (B_k, T_k) per bucket
     packed            grain's first-fit into B rows of max_length, emitted together (`first_fit_batches`)
     bucketed_packed   rows of widths W_k, B_k rows a batch, as `rows.WidthPacker` fills them
@@ -145,7 +147,7 @@ def batches_per_shape(batching: str, lengths: Sequence[int], *, max_length: int,
     for start in range(0, len(widths), size):
       shape = (size, int(widths[start:start + size].max()))
       per_shape[shape] = per_shape.get(shape, 0) + 1
-    return per_shape, [(size, int(w)) for w in sorted(set(widths.tolist()))]  # any batch may end at any width
+    return per_shape, sorted(per_shape)  # a run compiles the widths of the batches it reads
   raise ValueError(f"no cost model for batching {batching!r}")
 
 

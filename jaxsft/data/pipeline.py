@@ -346,20 +346,42 @@ def batch_shapes(records: Sequence[dict] | None = None, tokenizer=None, *, lengt
 
 
 def epoch_lengths(tokenized: TokenizedRecords, *, seed: int = 0, shuffle: bool = True,
-                  mix: Mix | None = None) -> np.ndarray:
-  """The kept examples' token counts in the order the first epoch of `make_batches` reads them
-  (`seed`, `shuffle`, `mix` as there): what packing sees, unlike record order (a store's come
-  from its length arrays: nothing is read)."""
+                  mix: Mix | None = None, epoch: int = 0) -> np.ndarray:
+  """The kept examples' token counts in the order epoch `epoch` (the first: 0) of `make_batches`
+  reads them (`seed`, `shuffle`, `mix` as there): what packing sees, unlike record order (a
+  store's come from its length arrays: nothing is read)."""
   n = len(tokenized)
-  if mix is not None:  # the mix's first epoch: its positions, some sources only partly read
-    order = mix.epoch_order(seed, shuffle)
-  elif shuffle:  # epoch 0 of make_batches' shuffle; indexed, which is ~25x faster than iterating it
-    epoch = grain.MapDataset.range(n).shuffle(seed=seed)
-    order = np.fromiter((epoch[i] for i in range(n)), dtype=np.int64, count=n)
+  if mix is not None:  # the mix's epoch: its positions, some sources only partly read
+    order = mix.epoch_order(seed, shuffle, epoch)
+  elif shuffle:  # make_batches' shuffle, reshuffled each epoch; indexed, which is ~25x faster than iterating it
+    shuffled = grain.MapDataset.range(n).shuffle(seed=seed)
+    order = np.fromiter((shuffled[i] for i in range(epoch * n, (epoch + 1) * n)), dtype=np.int64, count=n)
   else:
     order = np.arange(n)
   in_order = tokenized.examples.record_lengths()[order]
   return in_order[in_order > 0]
+
+
+def dynamic_batch_shapes(tokenized: TokenizedRecords, *, num_batches: int, max_length: int, batch_size: int = 8,
+                         pad_to_multiple_of: int = 8, batch_multiple_of: int = 1, seed: int = 0, shuffle: bool = True,
+                         mix: Mix | None = None, **_ignored) -> list[tuple[int, int]]:
+  """The (B, T) of the first `num_batches` batches dynamic batching emits, sorted: each epoch's
+  examples in its order (`epoch_lengths`), B at a time (the last batch of an epoch holds its
+  leftovers), each batch as wide as its longest rounded up to `pad_to_multiple_of`. What a run of
+  that many batches compiles, where `batch_shapes` lists every width any batch could have."""
+  plan = _BatchingOptions(max_length, "dynamic", None, 1, batch_size, None, pad_to_multiple_of, batch_multiple_of,
+                          False, None).plan(lengths=None, epoch_size=0, pad_token_id=0)
+  size, m = plan.batch_sizes[0], max(pad_to_multiple_of, 1)
+  widths: set[int] = set()
+  epoch, left = 0, num_batches
+  while left > 0:
+    lengths = np.minimum(epoch_lengths(tokenized, seed=seed, shuffle=shuffle, mix=mix, epoch=epoch), max_length)
+    if len(lengths) == 0:
+      break
+    longest = np.maximum.reduceat(lengths, np.arange(0, len(lengths), size))[:left]  # each batch's longest
+    widths.update(np.minimum(-(-longest // m) * m, max_length).tolist())
+    epoch, left = epoch + 1, left - len(longest)
+  return [(size, int(w)) for w in sorted(widths)]
 
 
 def count_batches(tokenized: TokenizedRecords, *, max_length: int, batching: str = "bucketed",

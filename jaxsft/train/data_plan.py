@@ -156,6 +156,12 @@ class DataPlan:
                                  shard_by_process=self.shard_by_process, tokenized=self.val_tokens, **self.batching)
 
 
+def optimizer_steps(cfg: config_lib.TrainConfig, batches_per_epoch: int) -> int:
+  """The run's optimizer steps: `max_steps` (like Hugging Face's, it overrides epochs: the data
+  repeats for as long as it takes), else `epochs` of whole accumulations of micro-batches."""
+  return cfg.max_steps if cfg.max_steps else max(batches_per_epoch // cfg.optim.grad_accum, 1) * cfg.epochs
+
+
 def plan_data(cfg: config_lib.TrainConfig, train_records: list[dict], val_records: list[dict], tokenizer,
               batch_multiple_of: int, target: ProbeTarget | None = None, resumed: dict | None = None) -> DataPlan:
   """Both splits tokenized once, the batching resolved by the collation plan (with `target`, the
@@ -180,9 +186,21 @@ def plan_data(cfg: config_lib.TrainConfig, train_records: list[dict], val_record
     train_tokens = train_tokens.with_max_length(batching["max_length"])
     val_tokens = val_tokens.with_max_length(batching["max_length"])
   shard = jax.process_count() > 1
-  shapes = set(data_lib.batch_shapes(train_records, tokenizer, tokenized=train_tokens, shard_by_process=shard, **batching))
-  if val_records:
-    shapes |= set(data_lib.batch_shapes(val_records, tokenizer, tokenized=val_tokens, shard_by_process=shard, **batching))
   batches_per_epoch = data_lib.count_batches(train_tokens, seed=d.seed, shuffle=True, mix=mix, **batching)
+  if batching["batching"] == "dynamic" and not shard:
+    # Of the widths any batch could have, only those of the batches this run reads: a few, where
+    # compiling every width would compile dozens of programs at warm-up for a short run.
+    micro_batches = optimizer_steps(cfg, batches_per_epoch) * cfg.optim.grad_accum
+    shapes = set(data_lib.dynamic_batch_shapes(train_tokens, num_batches=micro_batches, seed=d.seed, mix=mix,
+                                               **batching))
+    if val_records:
+      val_batches = data_lib.count_batches(val_tokens, shuffle=False, **batching)  # one pass, in order
+      shapes |= set(data_lib.dynamic_batch_shapes(val_tokens, num_batches=val_batches, shuffle=False, **batching))
+  else:
+    shapes = set(data_lib.batch_shapes(train_records, tokenizer, tokenized=train_tokens, shard_by_process=shard,
+                                       **batching))
+    if val_records:
+      shapes |= set(data_lib.batch_shapes(val_records, tokenizer, tokenized=val_tokens, shard_by_process=shard,
+                                          **batching))
   return DataPlan(train_records, val_records, train_tokens, val_tokens, batching, sorted(shapes), batches_per_epoch,
                   data_lib.PipelineStats(), shard, collation, mix)

@@ -32,7 +32,7 @@ from jaxsft.collation.probe import PADDED_KEYS, ProbeTarget
 from jaxsft.models.decoder import with_layers_packed, with_layers_unpacked
 from jaxsft.run_files import RunFiles
 from jaxsft.train.checkpoints import Checkpoints
-from jaxsft.train.data_plan import DataPlan, load_data, plan_data
+from jaxsft.train.data_plan import DataPlan, load_data, optimizer_steps, plan_data
 from jaxsft.train.state import RunState
 
 log = logging.getLogger("jaxsft.train")
@@ -160,8 +160,7 @@ def _setup(cfg: config_lib.TrainConfig, files: RunFiles, t_start: float,
   data = plan_data(cfg, train_records, val_records, tokenizer, mesh.batch_multiple_of, target,
                    resumed=resumed_collation(files) if cfg.resume else None)
   steps_per_epoch = max(data.batches_per_epoch // cfg.optim.grad_accum, 1)
-  # max_steps (like Hugging Face's) overrides epochs: the data repeats for as long as it takes.
-  total_steps = cfg.max_steps if cfg.max_steps else steps_per_epoch * cfg.epochs
+  total_steps = optimizer_steps(cfg, data.batches_per_epoch)
   log.info("batch shapes %s; %d batches per epoch, %d optimizer steps", data.shapes, data.batches_per_epoch, total_steps)
 
   files.dir.mkdir(parents=True, exist_ok=True)  # only now: bad config, data or model wrote nothing
