@@ -46,7 +46,8 @@ __all__ = [
     "BATCHING", "BatchPlan", "BucketBatchIterDataset", "DataError", "FORMATS", "IGNORE_INDEX", "ON_ERROR",
     "PLAIN_CHAT_TEMPLATE", "PaddingCost", "PipelineStats", "Record", "SkipReport", "SpanRenderer", "StoreError",
     "TRAIN_ON", "TokenStore", "TokenizedRecords", "batch_shapes", "bucket_index", "collate",
-    "count_batches", "dynamic_batch_shapes", "epoch_lengths", "encode_batches", "iter_records", "load_records", "make_batches", "normalize_record",
+    "count_batches", "dynamic_batch_shapes", "epoch_lengths", "encode_batches", "iter_records", "load_records",
+    "make_batches", "normalize_record",
     "open_or_build", "padding_cost", "render_with_spans", "round_up", "target_length", "tokenize_example",
     "tokenize_file", "tokenize_records",
 ]
