@@ -290,6 +290,18 @@ def test_dynamic_batch_shapes_are_those_the_first_batches_of_a_run_emit(records,
   assert len(emitted) < len(batch_shapes(tokenized=tokens, **config))  # fewer than every width
 
 
+def test_dynamic_batch_shapes_past_the_replayed_epochs_are_every_width(tokens, monkeypatch):
+  """A run longer than the epochs replayed compiles every width: more than it reads, none mid-run."""
+  from jaxsft.data import dynamic_batch_shapes, pipeline
+
+  config = dict(max_length=MAX_LENGTH, batching="dynamic", batch_size=4, seed=3)
+  every_width = batch_shapes(tokenized=tokens, **config)
+  first_epoch = dynamic_batch_shapes(tokens, num_batches=count_batches(tokens, **config), **config)
+  monkeypatch.setattr(pipeline, "REPLAYED_EPOCHS", 1)
+  assert dynamic_batch_shapes(tokens, num_batches=count_batches(tokens, **config), **config) == first_epoch
+  assert dynamic_batch_shapes(tokens, num_batches=count_batches(tokens, **config) + 1, **config) == every_width
+
+
 class EncodeCounter:
   """The real tokenizer, but its backend counts the texts it encodes."""
 
