@@ -121,8 +121,11 @@ def test_skip_reports_what_and_why(tmp_path, caplog):
   assert "skipped 3 of 5 records" in caplog.text
   load_records(path, on_error="skip", report=report)
   assert report.total == 5 and report.num_skipped == 3  # a report passed again is refilled, not added to
-  with pytest.raises(DataError, match="every record was invalid"):
-    load_records(write_jsonl(tmp_path / "bad.jsonl", rows[1:3]), on_error="skip")
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger="jaxsft.data"):
+    with pytest.raises(DataError, match="every record was invalid:\n.*bad.jsonl: skipped 2 of 2 records"):
+      load_records(write_jsonl(tmp_path / "bad.jsonl", rows[1:3]), on_error="skip")
+  assert "skipped" not in caplog.text  # the error carries the report, printed once
 
 
 def test_keys_that_partly_match_a_format_name_the_missing_field(tmp_path):

@@ -177,10 +177,10 @@ def iter_records(path: str | os.PathLike, fmt: str = "auto", field_map: dict[str
     yield record
   if report.total == 0:
     raise DataError("no records (empty file or empty array)", path=path)
+  if not kept:  # the error carries the report: not logged as well
+    raise DataError(f"every record was invalid:\n{report.summary()}", path=path)
   if report.skipped:
     logger.warning("%s", report.summary())
-  if not kept:
-    raise DataError(f"every record was invalid:\n{report.summary()}", path=path)
 
 
 def iter_raw(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
