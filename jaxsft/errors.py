@@ -49,6 +49,11 @@ class ModelError(JaxsftError, ValueError):
   """A model jaxsft cannot load: an unsupported architecture or a malformed config or weights file."""
 
 
+class ModelNotFoundError(JaxsftError, FileNotFoundError):
+  """A model jaxsft cannot find: no such folder or file, a package that ships it not installed, or a
+  hub id neither in the local Hugging Face cache nor reachable."""
+
+
 class _OSErrorInText(OSError):
   """An OS error read from another error's text; `carrier` names that error's type."""
 

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from jaxsft import errors, quiet
-from jaxsft.errors import JaxsftError
+from jaxsft.errors import JaxsftError, ModelNotFoundError
 
 quiet.silence_library_noise()
 
@@ -207,6 +207,8 @@ def export(model_name: str, adapter: str | None, out: str | pathlib.Path, *, fmt
   check_out(out, {"run": run_dir, "adapter": adapter, "model": model_name}, overwrite)
   try:
     source = hub.resolve_model(model_name)
+  except ModelNotFoundError:
+    raise  # it names the model already
   except (FileNotFoundError, ValueError, KeyError) as e:
     raise ExportError(f"cannot load model {model_name!r}: {e}") from None
   try:

