@@ -180,6 +180,28 @@ def test_a_model_that_cannot_be_found_is_one_error_line_in_every_command(command
   assert not out.exists()
 
 
+@pytest.mark.parametrize("command", ["train", "chat", "export"])
+def test_a_model_folder_without_a_tokenizer_is_one_error_line(command, tiny_run, tmp_path, run_cli, shared_data):
+  import importlib
+
+  folder = tmp_path / "weights-only"
+  folder.mkdir()
+  for name in ("config.json", "model.safetensors"):
+    (folder / name).symlink_to(tiny_run["model"] / name)
+  data = next(p for p in sorted(shared_data.iterdir()) if p.suffix in (".jsonl", ".json"))
+  out = tmp_path / "out"
+  module, argv = {
+      "train": ("jaxsft.train", ["--model", folder, "--data", data, "--output-dir", out, "--max-steps", 1]),
+      "chat": ("jaxsft.chat", ["--model", folder, "--prompt", "hi"]),
+      "export": ("jaxsft.export", ["--model", folder, "--out", out]),
+  }[command]
+  r = run_cli(importlib.import_module(module).main, argv)
+  assert r.returncode == 2, r.stderr[-3000:]
+  line = only_error_line(r.stderr)
+  assert f"model '{folder}': its tokenizer does not load from" in line and "needs tokenizer.json" in line, line
+  assert not out.exists()
+
+
 def test_unsupported_architecture_prints_no_traceback_from_the_shell(bert_dir, tmp_path):
   r = subprocess.run([sys.executable, "-m", "jaxsft.export", "--model", str(bert_dir), "--out", str(tmp_path / "o")],
                      capture_output=True, text=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)

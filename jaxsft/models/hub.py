@@ -16,7 +16,7 @@ import pathlib
 from typing import Iterator
 
 from jaxsft import io
-from jaxsft.errors import ModelNotFoundError, one_line
+from jaxsft.errors import ModelError, ModelNotFoundError, one_line
 from jaxsft.io import jaxsft_cache
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -113,7 +113,14 @@ def load_tokenizer(source: ModelSource | str):
 
       read_hf_config(source.path, architecture_only=True)  # an unsupported architecture is named before its tokenizer loads
     with hub_errors_named(source):
-      return AutoTokenizer.from_pretrained(source.path)
+      try:
+        return AutoTokenizer.from_pretrained(source.path)
+      except (OSError, ValueError) as e:
+        if source.is_hub_id:
+          raise
+        raise ModelError(f"model {source.name!r}: its tokenizer does not load from {source.path} "
+                         f"({type(e).__name__}: {one_line(e)[:200]}); a model folder needs tokenizer.json, or the "
+                         f"files its tokenizer class reads") from e
   from transformers import PreTrainedTokenizerFast
 
   cached = source.cache_dir / "tokenizer"
