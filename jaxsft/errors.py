@@ -50,8 +50,9 @@ class ModelError(JaxsftError, ValueError):
 
 
 class ModelNotFoundError(JaxsftError, FileNotFoundError):
-  """A model jaxsft cannot find: no such folder or file, a package that ships it not installed, or a
-  hub id neither in the local Hugging Face cache nor reachable."""
+  """A model jaxsft cannot find: no such folder or file, a package that ships it not installed, a
+  hub id neither in the local Hugging Face cache nor reachable, or a folder without the weights
+  jaxsft reads."""
 
 
 class _OSErrorInText(OSError):

@@ -181,13 +181,18 @@ def test_a_model_that_cannot_be_found_is_one_error_line_in_every_command(command
 
 
 @pytest.mark.parametrize("command", ["train", "chat", "export"])
-def test_a_model_folder_without_a_tokenizer_is_one_error_line(command, tiny_run, tmp_path, run_cli, shared_data):
+@pytest.mark.parametrize("missing", ["tokenizer", "safetensors"])
+def test_a_model_folder_without_its_tokenizer_or_weights_is_one_error_line(command, missing, tiny_run, tmp_path,
+                                                                          run_cli, shared_data):
   import importlib
 
-  folder = tmp_path / "weights-only"
+  folder = tmp_path / "incomplete"
   folder.mkdir()
-  for name in ("config.json", "model.safetensors"):
-    (folder / name).symlink_to(tiny_run["model"] / name)
+  for path in tiny_run["model"].iterdir():
+    if not (path.name.startswith("tokenizer") if missing == "tokenizer" else path.suffix == ".safetensors"):
+      (folder / path.name).symlink_to(path)
+  if missing == "safetensors":
+    (folder / "pytorch_model.bin").write_bytes(b"")
   data = next(p for p in sorted(shared_data.iterdir()) if p.suffix in (".jsonl", ".json"))
   out = tmp_path / "out"
   module, argv = {
@@ -198,7 +203,10 @@ def test_a_model_folder_without_a_tokenizer_is_one_error_line(command, tiny_run,
   r = run_cli(importlib.import_module(module).main, argv)
   assert r.returncode == 2, r.stderr[-3000:]
   line = only_error_line(r.stderr)
-  assert f"model '{folder}': its tokenizer does not load from" in line and "needs tokenizer.json" in line, line
+  if missing == "tokenizer":
+    assert f"model '{folder}': its tokenizer does not load from" in line and "needs tokenizer.json" in line, line
+  else:
+    assert f"{folder}: no *.safetensors weights (found ['pytorch_model.bin']: convert them" in line, line
   assert not out.exists()
 
 

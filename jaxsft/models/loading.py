@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxsft import io, quant
 from jaxsft.config_checks import QUANTIZE_CHOICES
-from jaxsft.errors import ConfigError, ModelError
+from jaxsft.errors import ConfigError, ModelError, ModelNotFoundError
 from jaxsft.models import decoder, families, hf_weights, quantized
 from jaxsft.models.gguf.read import read_gguf
 from jaxsft.models.hub import ModelSource, hub_errors_named, load_tokenizer, resolve_model
@@ -98,7 +98,7 @@ def _read_hf_folder(folder: pathlib.Path) -> tuple[dict, dict[str, np.ndarray], 
     files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
   if not files:
     bins = sorted(p.name for p in folder.glob("*.bin"))
-    raise FileNotFoundError(f"{folder}: no *.safetensors weights" +
+    raise ModelNotFoundError(f"{folder}: no *.safetensors weights" +
                             (f" (found {bins}: convert them to safetensors; jaxsft does not read "
                              f"PyTorch pickles)" if bins else ""))
   tensors: dict[str, np.ndarray] = {}
