@@ -127,23 +127,29 @@ def bert_dir(tmp_path):
   return folder
 
 
-@pytest.mark.parametrize("command", ["train", "chat", "export", "data build"])
-def test_unsupported_architecture_is_one_error_line_in_every_command(command, bert_dir, tmp_path, run_cli,
-                                                                     shared_data):
-  """Refused before any weight or tokenizer is read: one `error:` line naming the architecture and
-  the supported ones, exit 2, nothing written."""
+def run_with_model(command: str, model, tmp_path, run_cli, shared_data):
+  """`command` (train, chat, export, data build) run on `--model model` as a user types it: (its
+  result, the folder it writes to, which a refused command must not create)."""
   import importlib
 
   data = next(p for p in sorted(shared_data.iterdir()) if p.suffix in (".jsonl", ".json"))
   out = tmp_path / "out"
   module, argv = {
-      "train": ("jaxsft.train", ["--model", bert_dir, "--output-dir", out, "--max-steps", 1]),
-      "chat": ("jaxsft.chat", ["--model", bert_dir, "--prompt", "hi"]),
-      "export": ("jaxsft.export", ["--model", bert_dir, "--out", out]),
-      "data build": ("jaxsft.data.__main__", ["build", "--data", data, "--model", bert_dir,
+      "train": ("jaxsft.train", ["--model", model, "--data", data, "--output-dir", out, "--max-steps", 1]),
+      "chat": ("jaxsft.chat", ["--model", model, "--prompt", "hi"]),
+      "export": ("jaxsft.export", ["--model", model, "--out", out]),
+      "data build": ("jaxsft.data.__main__", ["build", "--data", data, "--model", model,
                                               "--cache-dir", tmp_path / "tokens"]),
   }[command]
-  r = run_cli(importlib.import_module(module).main, argv)
+  return run_cli(importlib.import_module(module).main, argv), out
+
+
+@pytest.mark.parametrize("command", ["train", "chat", "export", "data build"])
+def test_unsupported_architecture_is_one_error_line_in_every_command(command, bert_dir, tmp_path, run_cli,
+                                                                     shared_data):
+  """Refused before any weight or tokenizer is read: one `error:` line naming the architecture and
+  the supported ones, exit 2, nothing written."""
+  r, out = run_with_model(command, bert_dir, tmp_path, run_cli, shared_data)
   assert r.returncode == 2, r.stderr[-3000:]
   line = only_error_line(r.stderr)
   assert "'bert'" in line and "llama" in line and "qwen2" in line, line  # the supported list
@@ -156,23 +162,12 @@ def test_a_model_that_cannot_be_found_is_one_error_line_in_every_command(command
                                                                          shared_data, monkeypatch):
   """A mistyped folder, or a hub id neither cached nor reachable (HF_HUB_OFFLINE), is one `error:`
   line naming the model, exit 2, nothing written; not transformers' or the resolver's traceback."""
-  import importlib
-
   from huggingface_hub import constants
 
   monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
   monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty Hugging Face cache
   name = {"missing folder": str(tmp_path / "no-such-model"), "hub id offline": "jaxsft-tests/no-such-model"}[model]
-  data = next(p for p in sorted(shared_data.iterdir()) if p.suffix in (".jsonl", ".json"))
-  out = tmp_path / "out"
-  module, argv = {
-      "train": ("jaxsft.train", ["--model", name, "--data", data, "--output-dir", out, "--max-steps", 1]),
-      "chat": ("jaxsft.chat", ["--model", name, "--prompt", "hi"]),
-      "export": ("jaxsft.export", ["--model", name, "--out", out]),
-      "data build": ("jaxsft.data.__main__", ["build", "--data", data, "--model", name,
-                                              "--cache-dir", tmp_path / "tokens"]),
-  }[command]
-  r = run_cli(importlib.import_module(module).main, argv)
+  r, out = run_with_model(command, name, tmp_path, run_cli, shared_data)
   assert r.returncode == 2, r.stderr[-3000:]
   line = only_error_line(r.stderr)
   assert line.startswith(f"error: model {name!r}: "), line
@@ -184,8 +179,6 @@ def test_a_model_that_cannot_be_found_is_one_error_line_in_every_command(command
 @pytest.mark.parametrize("missing", ["tokenizer", "safetensors"])
 def test_a_model_folder_without_its_tokenizer_or_weights_is_one_error_line(command, missing, tiny_run, tmp_path,
                                                                           run_cli, shared_data):
-  import importlib
-
   folder = tmp_path / "incomplete"
   folder.mkdir()
   for path in tiny_run["model"].iterdir():
@@ -193,14 +186,7 @@ def test_a_model_folder_without_its_tokenizer_or_weights_is_one_error_line(comma
       (folder / path.name).symlink_to(path)
   if missing == "safetensors":
     (folder / "pytorch_model.bin").write_bytes(b"")
-  data = next(p for p in sorted(shared_data.iterdir()) if p.suffix in (".jsonl", ".json"))
-  out = tmp_path / "out"
-  module, argv = {
-      "train": ("jaxsft.train", ["--model", folder, "--data", data, "--output-dir", out, "--max-steps", 1]),
-      "chat": ("jaxsft.chat", ["--model", folder, "--prompt", "hi"]),
-      "export": ("jaxsft.export", ["--model", folder, "--out", out]),
-  }[command]
-  r = run_cli(importlib.import_module(module).main, argv)
+  r, out = run_with_model(command, folder, tmp_path, run_cli, shared_data)
   assert r.returncode == 2, r.stderr[-3000:]
   line = only_error_line(r.stderr)
   if missing == "tokenizer":
