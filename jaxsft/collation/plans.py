@@ -19,6 +19,7 @@ returns them cheapest first: the first is what `batching: auto` runs.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 from typing import Callable, Sequence
@@ -27,7 +28,7 @@ import numpy as np
 
 from jaxsft.collation.buckets import choose_buckets
 from jaxsft.collation.cost import PlanSeconds, StepCost, plan_seconds
-from jaxsft.data.collate import bucket_index, round_up
+from jaxsft.data.collate import batch_widths, bucket_index, round_up
 from jaxsft.data.rows import packed_batches_per_shape  # what the packer makes, counted
 
 MAX_PACKING_WIDTHS = 4
@@ -141,12 +142,9 @@ def batches_per_shape(batching: str, lengths: Sequence[int], *, max_length: int,
     shapes = [(batch_size_for(t), int(t)) for t in sorted(bucket_lengths)]
     return {s: -(-int(n) // s[0]) for s, n in zip(shapes, counts) if n}, shapes
   if batching == "dynamic":
-    size, m = widest[0], max(pad_to_multiple_of, 1)
-    widths = np.minimum(-(-lengths // m) * m, max_length)
-    per_shape: dict[tuple[int, int], int] = {}
-    for start in range(0, len(widths), size):
-      shape = (size, int(widths[start:start + size].max()))
-      per_shape[shape] = per_shape.get(shape, 0) + 1
+    size = widest[0]
+    per_shape = dict(collections.Counter((size, int(w)) for w in batch_widths(lengths, size, pad_to_multiple_of,
+                                                                               max_length)))
     return per_shape, sorted(per_shape)  # a run compiles the widths of the batches it reads
   raise ValueError(f"no cost model for batching {batching!r}")
 

@@ -21,6 +21,17 @@ def round_up(n: int, multiple: int | None) -> int:
   return int(-(-n // multiple) * multiple)
 
 
+def batch_widths(lengths: Sequence[int], batch_size: int, multiple_of: int | None, max_length: int) -> np.ndarray:
+  """Dynamic padding's T of each batch of `batch_size` consecutive `lengths` (the last holds what
+  is left): its longest, rounded up to a multiple of `multiple_of`, at most `max_length`."""
+  lengths = np.asarray(lengths, dtype=np.int64)
+  if len(lengths) == 0:
+    return lengths
+  m = max(multiple_of or 1, 1)
+  longest = np.maximum.reduceat(lengths, np.arange(0, len(lengths), batch_size))
+  return np.minimum(-(-longest // m) * m, max_length)
+
+
 def target_length(max_len: int, *, bucket_lengths: Sequence[int] | None = None,
                   pad_to_multiple_of: int | None = None) -> int:
   """T for a batch whose longest feature has `max_len` tokens.

@@ -52,7 +52,7 @@ import numpy as np
 
 from jaxsft.config_checks import BATCHING  # the config's list of choices (data.batching)
 from jaxsft.data.bucketing import BatchPlan, BucketBatchIterDataset
-from jaxsft.data.collate import bucket_index
+from jaxsft.data.collate import batch_widths, bucket_index
 from jaxsft.data.examples import TokenizedRecords
 from jaxsft.data.mix import Mix
 from jaxsft.data.packing import packed_batches
@@ -366,36 +366,32 @@ REPLAYED_EPOCHS, REPLAYED_EXAMPLES = 16, 500_000
 """How far `dynamic_batch_shapes` replays a run's epoch orders (a few seconds at most)."""
 
 
-def dynamic_batch_shapes(tokenized: TokenizedRecords, *, num_batches: int, max_length: int, batch_size: int = 8,
-                         pad_to_multiple_of: int = 8, batch_multiple_of: int = 1, seed: int = 0, shuffle: bool = True,
+def dynamic_batch_shapes(tokenized: TokenizedRecords, *, max_length: int, num_batches: int | None = None,
+                         batch_size: int = 8, pad_to_multiple_of: int = 8, seed: int = 0, shuffle: bool = True,
                          mix: Mix | None = None, train_on: str = "all_assistant", **_ignored) -> list[tuple[int, int]]:
-  """The (B, T) of the first `num_batches` batches dynamic batching emits, sorted: each epoch's
-  examples in its order (`epoch_lengths`), B at a time (the last batch of an epoch holds its
-  leftovers), each batch as wide as its longest rounded up to `pad_to_multiple_of`. What a run of
-  that many batches compiles, where `batch_shapes` lists every width any batch could have.
+  """The (B, T) of the first `num_batches` batches (None: one epoch's) dynamic batching emits,
+  sorted: each epoch's examples in its order (`epoch_lengths`), B at a time, as wide as
+  `collate.batch_widths` makes them. What a run of that many batches compiles, where
+  `batch_shapes` lists every width any batch could have.
 
   Replaying an epoch's order costs ~10 µs an example: past `REPLAYED_EPOCHS` epochs or
   `REPLAYED_EXAMPLES` examples, the batches left may have any width (`batch_shapes`' list, a
   superset: a run compiles more, never again mid-run)."""
-  plan = _BatchingOptions(max_length, "dynamic", None, 1, batch_size, None, pad_to_multiple_of, batch_multiple_of,
-                          False, None).plan(lengths=None, epoch_size=0, pad_token_id=0)
-  size, m = plan.batch_sizes[0], max(pad_to_multiple_of, 1)
   widths: set[int] = set()
-  epoch, left, replayed = 0, num_batches, 0
-  while left > 0:
-    if epoch >= REPLAYED_EPOCHS or replayed + len(tokenized) > REPLAYED_EXAMPLES:
+  epoch, left = 0, num_batches
+  while left is None or left > 0:
+    if epoch >= REPLAYED_EPOCHS or (epoch + 1) * len(tokenized) > REPLAYED_EXAMPLES:
       widths.update(t for _, t in batch_shapes(tokenized=tokenized, max_length=max_length, batching="dynamic",
                                                 batch_size=batch_size, pad_to_multiple_of=pad_to_multiple_of,
-                                                batch_multiple_of=batch_multiple_of, train_on=train_on))
+                                                train_on=train_on))
       break
-    lengths = np.minimum(epoch_lengths(tokenized, seed=seed, shuffle=shuffle, mix=mix, epoch=epoch), max_length)
-    replayed += len(tokenized)
-    if len(lengths) == 0:
+    lengths = epoch_lengths(tokenized, seed=seed, shuffle=shuffle, mix=mix, epoch=epoch)
+    epoch_widths = batch_widths(np.minimum(lengths, max_length), batch_size, pad_to_multiple_of, max_length)
+    widths.update(epoch_widths[:left].tolist())
+    if left is None or len(lengths) == 0:
       break
-    longest = np.maximum.reduceat(lengths, np.arange(0, len(lengths), size))[:left]  # each batch's longest
-    widths.update(np.minimum(-(-longest // m) * m, max_length).tolist())
-    epoch, left = epoch + 1, left - len(longest)
-  return [(size, int(w)) for w in sorted(widths)]
+    epoch, left = epoch + 1, left - len(epoch_widths)
+  return [(batch_size, int(w)) for w in sorted(widths)]
 
 
 def count_batches(tokenized: TokenizedRecords, *, max_length: int, batching: str = "bucketed",

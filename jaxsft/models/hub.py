@@ -78,11 +78,9 @@ def resolve_model(name_or_path: str) -> ModelSource:
 
 @contextlib.contextmanager
 def hub_errors_named(source: ModelSource) -> Iterator[None]:
-  """A hub id that cannot be fetched (offline and not cached, unknown, gated) is one refusal
-  naming the model; transformers' and huggingface_hub's own errors span lines and name no model."""
-  if not source.is_hub_id:
-    yield
-    return
+  """Around a hub id's download: one that cannot be fetched (offline and not cached, unknown, gated)
+  is one refusal naming the model; transformers' and huggingface_hub's own errors span lines and
+  name no model."""
   from huggingface_hub import constants
   from huggingface_hub.errors import HfHubHTTPError
 
@@ -108,19 +106,18 @@ def load_tokenizer(source: ModelSource | str):
   if source.gguf_file is None:
     from transformers import AutoTokenizer  # transformers is slow to import; only when needed
 
-    if not source.is_hub_id:
-      from jaxsft.models.families import read_hf_config
-
-      read_hf_config(source.path, architecture_only=True)  # an unsupported architecture is named before its tokenizer loads
-    with hub_errors_named(source):
-      try:
+    if source.is_hub_id:
+      with hub_errors_named(source):
         return AutoTokenizer.from_pretrained(source.path)
-      except (OSError, ValueError) as e:
-        if source.is_hub_id:
-          raise
-        raise ModelError(f"model {source.name!r}: its tokenizer does not load from {source.path} "
-                         f"({type(e).__name__}: {one_line(e)[:200]}); a model folder needs tokenizer.json, or the "
-                         f"files its tokenizer class reads") from e
+    from jaxsft.models.families import read_hf_config
+
+    read_hf_config(source.path, architecture_only=True)  # an unsupported architecture is named before its tokenizer loads
+    try:
+      return AutoTokenizer.from_pretrained(source.path)
+    except (OSError, ValueError) as e:
+      raise ModelError(f"model {source.name!r}: its tokenizer does not load from {source.path} "
+                       f"({type(e).__name__}: {one_line(e)[:200]}); a model folder needs tokenizer.json, or the "
+                       f"files its tokenizer class reads") from e
   from transformers import PreTrainedTokenizerFast
 
   cached = source.cache_dir / "tokenizer"

@@ -193,9 +193,8 @@ def plan_data(cfg: config_lib.TrainConfig, train_records: list[dict], val_record
     micro_batches = optimizer_steps(cfg, batches_per_epoch) * cfg.optim.grad_accum
     shapes = set(data_lib.dynamic_batch_shapes(train_tokens, num_batches=micro_batches, seed=d.seed, mix=mix,
                                                **batching))
-    if val_records:
-      val_batches = data_lib.count_batches(val_tokens, shuffle=False, **batching)  # one pass, in order
-      shapes |= set(data_lib.dynamic_batch_shapes(val_tokens, num_batches=val_batches, shuffle=False, **batching))
+    if val_records:  # one pass, in order
+      shapes |= set(data_lib.dynamic_batch_shapes(val_tokens, shuffle=False, **batching))
   else:
     shapes = set(data_lib.batch_shapes(train_records, tokenizer, tokenized=train_tokens, shard_by_process=shard,
                                        **batching))
