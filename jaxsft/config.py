@@ -118,7 +118,8 @@ class DataConfig:
   batch_size: int = 8
   """Rows per batch (when `tokens_per_batch` is unset)."""
   tokens_per_batch: int | None = None
-  """Token budget per batch: B_k = tokens_per_batch // T_k (overrides batch_size)."""
+  """Token budget per batch: B_k = tokens_per_batch // T_k (overrides batch_size). Fixed widths only: with
+  `batching: dynamic` leave it unset (without --config, the embedded default's budget is then dropped)."""
   pad_to_multiple_of: int = 8
   """Batch widths (dynamic padding, probes, the widest bucket) are rounded up to a multiple of this."""
   train_on: str = "all_assistant"

@@ -78,7 +78,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     valid = sorted(fields()) + sorted(ALIASES)
     raise ConfigError(f"unknown option(s) {' '.join(unknown)}. Valid keys: {', '.join(valid)}")
   args = vars(ns)
-  config = load_yaml(args.pop("config", None) or DEFAULT_CONFIG)
+  config_file = args.pop("config", None)
+  config = load_yaml(config_file or DEFAULT_CONFIG)
   positional = args.pop("overrides", [])
   for key in MANY_VALUES:
     if key in args:
@@ -94,7 +95,19 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
       k, v = item.split("=", 1)
       pairs[k.strip()] = v
   config = apply_overrides(config, pairs)
+  if config_file is None:
+    given = {ALIASES.get(k, k).replace("-", "_") for k in [*args, *pairs]}
+    config = _embedded_budget_yields(config, given)
   validate(config)
+  return config
+
+
+def _embedded_budget_yields(config: TrainConfig, given: set[str]) -> TrainConfig:
+  """The embedded default's token budget (`data.tokens_per_batch`) sizes fixed-width batches; a
+  command line that asks for dynamic padding and sets no budget of its own gets `data.batch_size`
+  rows per batch instead of a refusal over a key it never set."""
+  if config.data.batching == "dynamic" and "data.tokens_per_batch" not in given:
+    config.data.tokens_per_batch = None
   return config
 
 

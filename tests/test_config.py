@@ -136,6 +136,25 @@ def test_the_command_line_runs_validate():
     config_args.parse_args(["data.batching=dynamic", "data.tokens_per_batch=512"])
 
 
+@pytest.mark.parametrize("argv", [["--batching", "dynamic"], ["batching=dynamic"], ["--data.batching=dynamic"]])
+def test_dynamic_padding_without_config_drops_only_the_embedded_token_budget(argv):
+  assert config_args.parse_args([]).data.tokens_per_batch == 1024  # what default.yaml sets
+  cfg = config_args.parse_args(argv + ["--batch-size", "4"])
+  assert (cfg.data.batching, cfg.data.tokens_per_batch, cfg.data.batch_size) == ("dynamic", None, 4)
+  assert config_args.parse_args(argv).data.batch_size == c.TrainConfig().data.batch_size
+  # the other modes keep the embedded budget
+  assert config_args.parse_args(["--batching", "static"]).data.tokens_per_batch == 1024
+
+
+def test_dynamic_padding_keeps_a_token_budget_the_user_set_and_refuses_it(tmp_path):
+  with pytest.raises(c.ConfigError, match=r"data\.tokens_per_batch needs a fixed width"):
+    config_args.parse_args(["--batching", "dynamic", "--data.tokens_per_batch", "2048"])
+  own = tmp_path / "own.yaml"
+  own.write_text("data:\n  tokens_per_batch: 1024\n")
+  with pytest.raises(c.ConfigError, match=r"data\.tokens_per_batch needs a fixed width"):
+    config_args.parse_args(["--config", str(own), "--batching", "dynamic"])
+
+
 def test_train_validates_a_config_built_in_code_before_writing_anything(tmp_path):
   from jaxsft.train import train
 
