@@ -58,10 +58,9 @@ def read_metrics(run):
 def test_cli_end_to_end_on_a_tiny_model(tiny_dir, small_data, tmp_path, train_main):
   out = tmp_path / "run"
   # Its compiles are counted: none may come from the session's persistent cache.
-  r = run_cli(base_args(tiny_dir, small_data, out, "max_steps=8", "eval.eval_every=4", "save_every=4",
-                        "eval.num_prompts=4", "eval.max_new_tokens=4", "data.time_shapes=true", "optim.schedule=cosine",
-                        "optim.warmup_steps=null"),
-              env_extra=NO_COMPILE_CACHE_ENV)
+  settings = ["max_steps=8", "eval.eval_every=4", "save_every=4", "eval.num_prompts=4", "eval.max_new_tokens=4",
+              "data.time_shapes=true", "optim.schedule=cosine", "optim.warmup_steps=null"]
+  r = run_cli(base_args(tiny_dir, small_data, out, *settings), env_extra=NO_COMPILE_CACHE_ENV)
   assert r.returncode == 0, r.stdout + r.stderr
   train, val, lines = read_metrics(out)
   assert [l["step"] for l in train] == list(range(1, 9))
@@ -97,6 +96,19 @@ def test_cli_end_to_end_on_a_tiny_model(tiny_dir, small_data, tmp_path, train_ma
   again = train_main(base_args(tiny_dir, small_data, out, "max_steps=8"))
   assert again.returncode == 2 and "--resume" in again.stderr
   assert (out / "metrics.jsonl").read_text() == before
+  # --resume with the same settings (a job script that always passes it): nothing is left to train,
+  # so nothing loads, compiles or is written again, and the run's closing summary is shown as it was.
+  files = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+  again = train_main(base_args(tiny_dir, small_data, f"{out}/.", *settings, "--resume"))  # the folder spelled otherwise
+  assert again.returncode == 0, again.stderr
+  assert "finished at step 8 (completed); nothing left to train" in again.stderr
+  assert "loading model" not in again.stderr and "warm-up" not in again.stderr
+  assert again.stdout == r.stdout[r.stdout.index("\n== jaxsft run finished"):]
+  assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == files
+  # A higher max_steps goes on training.
+  again = train_main(base_args(tiny_dir, small_data, out, *settings[1:], "max_steps=9", "--resume"))
+  assert again.returncode == 0 and "resumed from step 8" in again.stderr, again.stderr
+  assert json.loads((out / "summary.json").read_text())["steps"] == 9
 
 
 DETERMINISTIC = ("loss", "grad_norm", "lr", "tokens", "real_tokens", "valid_tokens", "epoch")

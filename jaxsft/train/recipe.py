@@ -14,6 +14,7 @@ from jaxsft import config as config_lib
 from jaxsft import errors
 from jaxsft import sharding as sharding_lib
 from jaxsft.models.decoder import with_layers_unpacked
+from jaxsft.train import finished
 from jaxsft.train.checkpoints import quiet_orbax_failure_logs
 from jaxsft.train.loop import STOPPED_BY_SIGNAL, STOPPED_EARLY, end_of_run, run_loop, save_on_signal
 from jaxsft.train.prefetch import DevicePrefetch
@@ -33,7 +34,10 @@ def train(cfg: config_lib.TrainConfig, *, stop_on_signals: bool = False) -> RunR
   line turns it on. It needs the main thread.
   """
   config_lib.validate(cfg)  # a config built in code is checked as the command line's is
-  run, state = setup(cfg)
+  try:
+    run, state = setup(cfg)
+  except finished.AlreadyFinished as done:  # --resume of a run with nothing left to train
+    return finished.report(cfg, done)
   try:
     return _train(run, state, StopSignals() if stop_on_signals else NoStopSignals())
   finally:

@@ -28,6 +28,7 @@ from jaxsft import step as step_lib
 from jaxsft import tracking
 from jaxsft.collation import account as account_lib
 from jaxsft.collation import compiles as compiles_lib
+from jaxsft.train import finished
 from jaxsft.collation.probe import PADDED_KEYS, ProbeTarget
 from jaxsft.models.decoder import with_layers_packed, with_layers_unpacked
 from jaxsft.run_files import RunFiles
@@ -91,7 +92,8 @@ def trainable_filter(cfg: config_lib.TrainConfig):
 
 
 def setup(cfg: config_lib.TrainConfig) -> tuple[Run, RunState]:
-  """Everything before step 1. Bad config, data, mesh or model raise before anything is written."""
+  """Everything before step 1. Bad config, data, mesh or model raise before anything is written;
+  a `--resume` of a run that has already finished raises `finished.AlreadyFinished`."""
   t_start = time.time()
   compile_start = compiles_lib.ledger().tally()  # every program of the run counts, the model load's too
   sharding_lib.maybe_initialize_distributed()  # several processes: before anything touches a device
@@ -100,6 +102,9 @@ def setup(cfg: config_lib.TrainConfig) -> tuple[Run, RunState]:
   files = RunFiles(cfg.output_dir, writer=sharding_lib.is_main_process())
   files.lock()  # held until `train` ends: a second process on this run directory is refused
   try:
+    done = finished.finished_summary(cfg, files)
+    if done is not None:  # a --resume with nothing left to train: nothing loads or compiles
+      raise finished.AlreadyFinished(files, done)
     return _setup(cfg, files, t_start, compile_start)
   except BaseException:
     files.unlock()
