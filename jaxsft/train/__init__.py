@@ -20,6 +20,7 @@ lives in one `RunState`.
     prefetch.py     `DevicePrefetch`: batches put on the devices while a step runs
     checkpoints.py  `Checkpoints`: orbax saves with the Grain position, damaged ones set aside
     preemption.py   `StopSignals`: SIGTERM / SIGINT finish the step, save a checkpoint and stop
+    finished.py     a `--resume` of a run with nothing left to train: its summary shown, nothing redone
     state.py        `RunState`, `TrainingError`, `RunResult`
 
 The package exports the entry points and what `train` returns, each imported on first use (so
