@@ -139,7 +139,8 @@ class DataConfig:
 @dataclasses.dataclass
 class OptimConfig:
   lr: float = 2e-4
-  """Peak learning rate of AdamW."""
+  """Peak learning rate of AdamW. Without --config, the embedded default's 2e-3 (a LoRA rate for its short
+  runs) applies to LoRA runs; `mode: full` without an lr of its own trains at this default."""
   weight_decay: float = 0.0
   """AdamW's decoupled weight decay."""
   b1: float = 0.9

@@ -97,17 +97,24 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
   config = apply_overrides(config, pairs)
   if config_file is None:
     given = {ALIASES.get(k, k).replace("-", "_") for k in [*args, *pairs]}
-    config = _embedded_budget_yields(config, given)
+    config = _embedded_defaults_yield(config, given)
   validate(config)
   return config
 
 
-def _embedded_budget_yields(config: TrainConfig, given: set[str]) -> TrainConfig:
-  """The embedded default's token budget (`data.tokens_per_batch`) sizes fixed-width batches; a
-  command line that asks for dynamic padding and sets no budget of its own gets `data.batch_size`
-  rows per batch instead of a refusal over a key it never set."""
+def _embedded_defaults_yield(config: TrainConfig, given: set[str]) -> TrainConfig:
+  """Settings of the embedded default that a command line's own choice makes wrong, where the
+  command line did not set them itself, fall back to the library's:
+
+  - its token budget (`data.tokens_per_batch`) sizes fixed-width batches: with dynamic padding a
+    batch is `data.batch_size` rows, not a refusal over a key the user never set;
+  - its learning rate (`optim.lr` 2e-3) is a LoRA rate for its short runs: `mode: full` trains
+    every weight at the library's `optim.lr` (2e-4).
+  """
   if config.data.batching == "dynamic" and "data.tokens_per_batch" not in given:
     config.data.tokens_per_batch = None
+  if config.mode == "full" and "optim.lr" not in given:
+    config.optim.lr = TrainConfig().optim.lr
   return config
 
 

@@ -146,6 +146,17 @@ def test_dynamic_padding_without_config_drops_only_the_embedded_token_budget(arg
   assert config_args.parse_args(["--batching", "static"]).data.tokens_per_batch == 1024
 
 
+@pytest.mark.parametrize("argv", [["--mode", "full"], ["mode=full"]])
+def test_full_fine_tuning_without_config_drops_only_the_embedded_lora_rate(argv, tmp_path):
+  assert config_args.parse_args([]).optim.lr == 2e-3  # what default.yaml sets, for its LoRA runs
+  assert config_args.parse_args(argv).optim.lr == c.TrainConfig().optim.lr == 2e-4
+  assert config_args.parse_args(argv + ["--lr", "1e-5"]).optim.lr == 1e-5
+  assert config_args.parse_args(argv + ["optim.lr=3e-3"]).optim.lr == 3e-3  # the user's own, kept
+  own = tmp_path / "own.yaml"
+  own.write_text("optim:\n  lr: 5.0e-3\n")
+  assert config_args.parse_args(["--config", str(own)] + argv).optim.lr == 5e-3
+
+
 def test_dynamic_padding_keeps_a_token_budget_the_user_set_and_refuses_it(tmp_path):
   with pytest.raises(c.ConfigError, match=r"data\.tokens_per_batch needs a fixed width"):
     config_args.parse_args(["--batching", "dynamic", "--data.tokens_per_batch", "2048"])
