@@ -168,6 +168,12 @@ class RunFiles:
   def holds_a_run(self) -> bool:
     return self.checkpoints.exists() or self.metrics.exists()
 
+  def checkpoint_steps(self) -> list[int]:
+    """The steps of the checkpoints orbax committed (its step folders), oldest first."""
+    if not self.checkpoints.is_dir():
+      return []
+    return sorted(int(p.name) for p in self.checkpoints.iterdir() if p.name.isdigit())
+
   def tuned(self, full: bool) -> pathlib.Path:
     """The folder of the tuned weights: `model/` for full fine-tuning, else `adapter/`."""
     return self.full_model if full else self.adapter

@@ -45,11 +45,6 @@ def _settings(tree: dict) -> dict:
   return tree
 
 
-def _newest_checkpoint(files: RunFiles) -> int | None:
-  steps = [int(p.name) for p in files.checkpoints.iterdir() if p.name.isdigit()] if files.checkpoints.is_dir() else []
-  return max(steps, default=None)
-
-
 def finished_summary(cfg: config_lib.TrainConfig, files: RunFiles) -> dict | None:
   """summary.json of the run in `files.dir` when `cfg.resume` asks to go on with a run that has
   nothing left to train: it finished (`FINISHED`) at its newest checkpoint, its tuned weights are
@@ -65,7 +60,7 @@ def finished_summary(cfg: config_lib.TrainConfig, files: RunFiles) -> dict | Non
   if not isinstance(summary, dict) or not isinstance(stored, dict) or summary.get("stopped") not in FINISHED:
     return None
   tuned = files.tuned(stored.get("mode") == "full")
-  if summary.get("steps") != _newest_checkpoint(files) or not tuned.is_dir():
+  if summary.get("steps") != max(files.checkpoint_steps(), default=None) or not tuned.is_dir():
     return None
   return summary if _settings(stored) == _settings(config_lib.to_dict(cfg)) else None
 

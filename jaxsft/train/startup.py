@@ -28,10 +28,10 @@ from jaxsft import step as step_lib
 from jaxsft import tracking
 from jaxsft.collation import account as account_lib
 from jaxsft.collation import compiles as compiles_lib
-from jaxsft.train import finished
 from jaxsft.collation.probe import PADDED_KEYS, ProbeTarget
 from jaxsft.models.decoder import with_layers_packed, with_layers_unpacked
 from jaxsft.run_files import RunFiles
+from jaxsft.train import finished
 from jaxsft.train.checkpoints import Checkpoints
 from jaxsft.train.data_plan import DataPlan, load_data, optimizer_steps, plan_data
 from jaxsft.train.state import RunState
@@ -193,8 +193,7 @@ def resumed_collation(files: RunFiles) -> dict | None:
   is there to continue; None without one, or where the config line does not record it."""
   from jaxsft import run_files
 
-  has_checkpoint = files.checkpoints.is_dir() and any(p.name.isdigit() for p in files.checkpoints.iterdir())
-  if not (has_checkpoint and files.metrics.exists()):
+  if not (files.checkpoint_steps() and files.metrics.exists()):
     return None
   config = next((r for r in run_files.read_records(files.metrics) if r.get("event") == "config"), {})
   return config.get("collation")
