@@ -73,7 +73,9 @@ def _split_trailing_overrides(values: list[str]) -> tuple[list[str], list[str]]:
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
   """Defaults ← --config YAML ← --flags ← key=value; every step checked, then the whole config."""
   parser = build_parser()
-  ns, unknown = parser.parse_known_intermixed_args(sys.argv[1:] if argv is None else argv)
+  argv = sys.argv[1:] if argv is None else argv
+  _refuse_switch_values(parser, argv)
+  ns, unknown = parser.parse_known_intermixed_args(argv)
   if unknown:
     valid = sorted(fields()) + sorted(ALIASES)
     raise ConfigError(f"unknown option(s) {' '.join(unknown)}. Valid keys: {', '.join(valid)}")
@@ -100,6 +102,21 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     config = _embedded_defaults_yield(config, given)
   validate(config)
   return config
+
+
+BOOLEAN_WORDS = ("true", "false", "yes", "no", "on", "off", "1", "0")
+
+
+def _refuse_switch_values(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+  """`--progress false` would leave 'false' as RUN_DIR, a run folder of that name, with the switch
+  on: a boolean key's flag takes no value, so a yes/no word right after one is refused by name."""
+  switches = {option: action for action in parser._actions if isinstance(action, argparse.BooleanOptionalAction)
+              for option in action.option_strings}
+  for flag, word in zip(argv, argv[1:]):
+    if flag in switches and word.lower() in BOOLEAN_WORDS:
+      on = "--" + flag.removeprefix("--").removeprefix("no-")
+      raise ConfigError(f"{flag} is a switch and takes no value ({word!r}): write {on} or "
+                        f"--no-{on[2:]}, or {switches[flag].dest}={word}")
 
 
 def _embedded_defaults_yield(config: TrainConfig, given: set[str]) -> TrainConfig:

@@ -26,12 +26,20 @@ def test_defaults_and_overrides_in_every_form():
     (["nonsense=1"], ["unknown key 'nonsense'", "optim.lr"]),
     (["runs/a", "justaword"], ["not key=value", "'justaword'", "run folder is 'runs/a'"]),
     (["runs/a", "--output-dir", "runs/b"], ["given twice", "'runs/a'", "'runs/b'"]),
+    # A switch's value would otherwise be taken for RUN_DIR: a run folder named 'false'.
+    (["--progress", "false"], ["--progress is a switch", "'false'", "--no-progress", "progress=false"]),
+    (["runs/a", "--json", "True"], ["--json is a switch", "--no-json", "logging.json=True"]),
 ])
 def test_bad_keys_and_values_are_clear_errors(argv, words):
   with pytest.raises(c.ConfigError) as e:
     config_args.parse_args(argv)
   for w in words:
     assert w in str(e.value)
+
+
+def test_a_switch_before_the_run_folder_still_reads_it_as_the_run_folder():
+  cfg = config_args.parse_args(["--no-progress", "runs/on", "--quiet"])
+  assert (cfg.output_dir, cfg.progress, cfg.logging.quiet) == ("runs/on", False, True)
 
 
 def test_yaml_is_validated_with_the_file_named(tmp_path):
