@@ -102,7 +102,9 @@ class DataConfig:
   synthetic_size: int = 1200
   """Number of generated examples when `path` is None."""
   max_length: int = 512
-  """Tokens per example at most; a longer example keeps its first max_length tokens."""
+  """Tokens per example at most; a longer example keeps its first max_length tokens, and one cut
+  before its reply is dropped and counted (when none of the training or held-out records keeps a
+  reply token, the run stops with an error naming the data)."""
   batching: str = "bucketed"
   """static (pad to max_length) | dynamic (batch max) | bucketed | packed | bucketed_packed (rows of a few
   widths, each packed) | auto (the mode and its buckets or widths the cost model predicts fastest for this
