@@ -45,6 +45,18 @@ def test_stats_field_map_and_bad_file(shared_data, tmp_path, capsys):
   assert str(bad) in err
 
 
+def test_stats_where_max_length_cuts_every_reply_shows_the_lengths_then_one_error(shared_data, tmp_path, capsys):
+  data = shared_data / "alpaca_en_demo.json"
+  assert main(["stats", "--data", str(data), "--max-length", "8", "--cache-dir", str(tmp_path)]) == 2
+  captured = capsys.readouterr()
+  assert "max_length 8: 999 truncated, 999 dropped" in captured.out
+  bins = re.findall(r"^\s+(\d+)-(\d+)\s", captured.out, re.M)
+  assert [(int(lo), int(hi)) for lo, hi in bins] == [(n, n) for n in range(1, 9)]  # one token wide, each once
+  assert captured.err.strip() == (f"error: {data}: the records: all 999 are cut at max_length 8 before their reply "
+                                  "starts, so none has a token to train on (the shortest is 48 tokens whole); "
+                                  "raise --max-length")
+
+
 def test_build_then_find_then_stats_from_the_store(shared_data, tmp_path, capsys):
   data = tmp_path / "chat.jsonl"  # two bad records among the real ones
   rows = [json.loads(l) for l in (shared_data / "oasst_top_paths.jsonl").read_text().splitlines()]

@@ -129,12 +129,12 @@ def test_bad_config_and_bad_data_write_nothing(tiny_dir, small_data, tmp_path, t
   assert r.returncode == 2 and "mesh" in r.stderr
   # Truncation that leaves no reply token: no batch to train on, or a validation loss over 0 tokens.
   r = train_main(base_args(tiny_dir, small_data, out, "--max-length", "4"))
-  assert r.returncode == 2 and "tasks.jsonl: the training records: all 144 are cut at data.max_length 4" in r.stderr
+  assert r.returncode == 2 and "tasks.jsonl: the training records: all 144 are cut at max_length 4" in r.stderr
   long_prompt = tmp_path / "long_prompt.jsonl"
   long_prompt.write_text(json.dumps({"instruction": " ".join(["word"] * 200), "output": "ok"}) + "\n")
   r = train_main(base_args(tiny_dir, small_data, out, "--max-length", "64", "--val-data", long_prompt))
   assert r.returncode == 2, r.stderr
-  assert "long_prompt.jsonl: the held-out records: all 1 are cut at data.max_length 64" in r.stderr
+  assert "long_prompt.jsonl: the held-out records: all 1 are cut at max_length 64" in r.stderr
   assert "none has a token to score" in r.stderr and "raise --max-length" in r.stderr
   assert not out.exists()
 

@@ -149,6 +149,7 @@ def _stats(args, tokenizer, records, tokenized, skipped: tuple[dict[str, int], l
   print(f"max_length {args.max_length}: {summary['truncated']} truncated, {summary['dropped']} dropped "
         "(no trained token left)\n")
   print(text_histogram(summary["lengths"], max_length=args.max_length))
+  tokenized.require_trained("the records", path=args.data)  # the lengths above say by how much
   print(f"\nbatch size {args.batch_size}, one epoch, pad to a multiple of {args.pad_to_multiple_of}; "
         f"predicted seconds for {args.epochs:g} epoch(s), cost {args.cost.source}:")
   result = compare_batching(records, tokenizer, max_length=args.max_length, num_buckets=args.buckets,

@@ -143,6 +143,18 @@ class TokenizedRecords:
     """Records that truncation left with no trained token."""
     return len(self) - len(self.lengths)
 
+  def require_trained(self, what: str, *, path: str | None, use: str = "train on") -> None:
+    """Raises DataError naming `path`, `what` records these are and the way out when there are
+    records but truncation at `max_length` left none of them a trained token: there is no batch
+    to make of them (and a loss over them would be over 0 tokens)."""
+    if len(self) == 0 or len(self.lengths) > 0:
+      return
+    from jaxsft.data.records import DataError
+
+    raise DataError(f"{what}: all {len(self)} are cut at max_length {self.max_length} before their reply starts, "
+                    f"so none has a token to {use} (the shortest is {int(self.full_lengths.min())} tokens whole); "
+                    "raise --max-length", path=path)
+
   def take(self, indices: Sequence[int]) -> TokenizedRecords:
     """The records at `indices`, in that order (a view when backed by a store)."""
     indices = np.asarray(indices, dtype=np.int64)

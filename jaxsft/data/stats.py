@@ -20,9 +20,10 @@ def length_summary(tokenized: TokenizedRecords) -> dict:
 
 
 def text_histogram(lengths: Sequence[int], *, max_length: int, bins: int = 16, width: int = 50) -> str:
-  """A text histogram of token lengths in `bins` equal bins up to max_length (longer ones last)."""
+  """A text histogram of token lengths in `bins` equal bins up to max_length (longer ones last);
+  fewer, one token wide, where max_length is under `bins`."""
   lengths = np.asarray(lengths)
-  edges = np.linspace(0, max_length, bins + 1).astype(int)
+  edges = np.unique(np.linspace(0, max_length, bins + 1).astype(int))
   counts = [int(((lengths > lo) & (lengths <= hi)).sum()) for lo, hi in zip(edges[:-1], edges[1:])]
   labels = [f"{lo + 1:>6}-{hi:<6}" for lo, hi in zip(edges[:-1], edges[1:])]
   over = int((lengths > max_length).sum())

@@ -162,22 +162,6 @@ def optimizer_steps(cfg: config_lib.TrainConfig, batches_per_epoch: int) -> int:
   return cfg.max_steps if cfg.max_steps else max(batches_per_epoch // cfg.optim.grad_accum, 1) * cfg.epochs
 
 
-def _refuse_when_none_is_trained(tokenized: data_lib.TokenizedRecords, d: config_lib.DataConfig, split: str,
-                                 use: str) -> None:
-  """Raises DataError, naming the data and the way out, when truncation at `max_length` left none
-  of a split's records a trained token: there would be no batch to train on, or a validation loss
-  of 0 tokens."""
-  if len(tokenized) == 0 or len(tokenized.lengths) > 0:
-    return
-  source = d.path or ("data.mix" if d.mix else "the built-in task set")
-  if split == "the held-out records" and d.val_path is not None:
-    source = d.val_path
-  raise data_lib.DataError(
-      f"{split}: all {len(tokenized)} are cut at data.max_length {tokenized.max_length} before their reply "
-      f"starts, so none has a token to {use} (the shortest is {int(tokenized.full_lengths.min())} tokens "
-      f"whole); raise --max-length", path=source)
-
-
 def plan_data(cfg: config_lib.TrainConfig, train_records: list[dict], val_records: list[dict], tokenizer,
               batch_multiple_of: int, target: ProbeTarget | None = None, resumed: dict | None = None) -> DataPlan:
   """Both splits tokenized once, the batching resolved by the collation plan (with `target`, the
@@ -191,8 +175,9 @@ def plan_data(cfg: config_lib.TrainConfig, train_records: list[dict], val_record
     train_tokens = data_lib.tokenize_records(tokenizer, train_records, **tokens)
   if val_tokens is None:
     val_tokens = data_lib.tokenize_records(tokenizer, val_records, **tokens)
-  _refuse_when_none_is_trained(train_tokens, d, "the training records", "train on")
-  _refuse_when_none_is_trained(val_tokens, d, "the held-out records", "score")
+  source = d.path or ("data.mix" if d.mix else "the built-in task set")
+  train_tokens.require_trained("the training records", path=source)
+  val_tokens.require_trained("the held-out records", path=d.val_path or source, use="score")
   mix, train_lengths = None, None
   if isinstance(train_records, mix_lib.MixedRecords):
     mix = mix_lib.Mix(train_records.sizes, tuple(source.weight for source in d.mix))
