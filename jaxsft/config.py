@@ -76,8 +76,8 @@ class MixSource:
 @dataclasses.dataclass
 class DataConfig:
   path: str | None = None
-  """Training data: JSON/JSONL (.gz too), parquet, Arrow, a folder of parquet shards or of `datasets`'
-  save_to_disk. None: jaxsft's built-in synthetic task set."""
+  """Training data: JSON/JSONL, CSV/TSV with a header line (.gz too), parquet, Arrow, a folder of
+  parquet shards or of `datasets`' save_to_disk. None: jaxsft's built-in synthetic task set."""
   field_map: dict[str, str] | None = None
   """Map of canonical field names to the file's names, e.g. {"output": "response"}."""
   format: str = "auto"

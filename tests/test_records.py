@@ -221,3 +221,37 @@ def test_check_rejects_records_like_the_loader(tmp_path):
   report = SkipReport()
   assert len(load_records(path, on_error="skip", report=report, check=check)) == 1
   assert report.skipped == [("line 2", "assistant turn 1: refused")]
+
+
+def test_csv_and_tsv_cells_are_read_as_text_with_quoted_commas_and_newlines(tmp_path):
+  import csv
+
+  path = tmp_path / "qa.csv"
+  with open(path, "w", newline="") as f:
+    writer = csv.writer(f)
+    writer.writerows([["instruction", "input", "output"], ["Add 2 and 40", "", "42"],
+                      ["Write two lines", "about, commas", "line one\nline two"]])
+  first, second = load_records(path)
+  assert first["messages"] == [{"role": "user", "content": "Add 2 and 40"}, {"role": "assistant", "content": "42"}]
+  assert second["messages"][0]["content"] == "Write two lines\n\nabout, commas"
+  assert second["messages"][1]["content"] == "line one\nline two"
+  assert (second.path, second.where) == (str(path), "row 1")
+  tsv = tmp_path / "qa.tsv.gz"
+  with gzip.open(tsv, "wt", newline="") as f:
+    f.write("question\tanswer\nHow many?\t007\n")
+  (record,) = load_records(tsv, field_map={"instruction": "question", "output": "answer"})
+  assert record["messages"][1]["content"] == "007"  # as written, not an inferred integer
+
+
+@pytest.mark.parametrize("text, words", [
+    ('instruction,output\n"a","b"\n"c","d","e"\n', ["rows.csv", "cannot read", "Expected 2 columns, got 3"]),
+    ("instruction,output\na,\n", ["rows.csv", "row 0", "output"]),
+    ("instruction,output\n", ["rows.csv", "no records"]),
+])
+def test_a_bad_csv_names_the_file_and_what_is_wrong(tmp_path, text, words):
+  path = tmp_path / "rows.csv"
+  path.write_text(text)
+  with pytest.raises(DataError) as e:
+    load_records(path)
+  for word in words:
+    assert word in str(e.value), (word, str(e.value))

@@ -19,7 +19,7 @@ from jaxsft.data.template import TRAIN_ON
 def _data_arguments(parser: argparse.ArgumentParser, *, max_length: int, on_error: str) -> None:
   data = parser.add_argument_group("the data and its tokenization")
   data.add_argument("--data", required=True,
-                    help="JSON array or JSONL (.gz ok), parquet/Arrow file, or a folder of parquet shards or "
+                    help="JSON array or JSONL, CSV/TSV with a header (.gz ok), parquet/Arrow file, or a folder of parquet shards or "
                          "from datasets' save_to_disk")
   data.add_argument("--model", default="smollm2-135m-instruct", help="tokenizer source (default: %(default)s)")
   data.add_argument("--max-length", type=int, default=max_length, help="truncation length (default: %(default)s)")

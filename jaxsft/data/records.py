@@ -13,7 +13,8 @@ ending with an assistant turn. Supported record formats (`fmt`, or detected per 
   or both message lists (TRL's conversational form).
 
 Files are a JSON array or JSONL, optionally gzip-compressed (`.gz`), the container detected from
-the first non-blank character; or Arrow data read through pyarrow: a `.parquet` file, an `.arrow`
+the first non-blank character; a `.csv` or `.tsv` file (`.gz` too) with a header line, a column
+per field, every cell read as text; or Arrow data read through pyarrow: a `.parquet` file, an `.arrow`
 file (IPC stream or file format), a folder of parquet shards, or a folder written by Hugging Face
 `datasets`' `save_to_disk` (`state.json` listing `data-*.arrow` shards in the IPC stream format;
 a `DatasetDict` folder (`dataset_dict.json`) gives its `train` split). Records are streamed: JSONL
@@ -206,6 +207,7 @@ def _open_binary(path: str):
 
 
 _ARROW_SUFFIXES = (".parquet", ".arrow")
+_DELIMITED_SUFFIXES = {".csv": ",", ".csv.gz": ",", ".tsv": "\t", ".tsv.gz": "\t"}
 
 
 def _read_raw(path: str) -> Iterator[tuple[str, Any]]:
@@ -213,6 +215,10 @@ def _read_raw(path: str) -> Iterator[tuple[str, Any]]:
   "row i" (Arrow; "SHARD row i" in a folder of several)."""
   if os.path.isdir(path) or path.endswith(_ARROW_SUFFIXES):
     yield from _read_arrow(path)
+    return
+  delimiter = next((d for suffix, d in _DELIMITED_SUFFIXES.items() if path.endswith(suffix)), None)
+  if delimiter is not None:
+    yield from _read_delimited(path, delimiter)
     return
   if not os.path.isfile(path):
     raise DataError("no such file", path=path)
@@ -317,6 +323,35 @@ def _read_arrow(path: str) -> Iterator[tuple[str, Any]]:
           row += 1
     except (OSError, pa.ArrowException) as e:
       raise DataError(f"cannot read {file}: {one_line(e)}", path=path) from None
+
+
+def _read_delimited(path: str, delimiter: str) -> Iterator[tuple[str, Any]]:
+  """`("row i", {column: text})` per row of a CSV or TSV file under a header line (`.gz` too): every
+  cell is read as text, as written (an answer column of numbers stays "42", an empty cell ""), and a
+  quoted cell may span lines. A row that does not parse stops the file, as in a JSON array."""
+  try:
+    import pyarrow as pa
+    import pyarrow.csv as csv
+  except ImportError:
+    raise DataError("reading CSV/TSV data needs pyarrow (pip install pyarrow)", path=path) from None
+  if not os.path.isfile(path):
+    raise DataError("no such file", path=path)
+  parse = csv.ParseOptions(delimiter=delimiter, newlines_in_values=True)
+
+  def reader(column_types=None):
+    return csv.open_csv(pa.input_stream(path, compression="detect"), parse_options=parse,
+                        convert_options=csv.ConvertOptions(column_types=column_types, strings_can_be_null=False,
+                                                           quoted_strings_can_be_null=False))
+
+  row = 0
+  try:
+    names = reader().schema.names  # the header; the cells are then read as text, not inferred types
+    for batch in reader({name: pa.string() for name in names}):
+      for raw in batch.to_pylist():
+        yield f"row {row}", raw
+        row += 1
+  except (OSError, EOFError, pa.ArrowException) as e:  # pyarrow's message quotes the row it stopped at
+    raise DataError(f"cannot read: {one_line(e)}", path=path) from None
 
 
 def normalize_record(raw: Any, *, fmt: str = "auto", field_map: dict[str, str] | None = None) -> dict:
