@@ -125,7 +125,8 @@ class DataConfig:
   pad_to_multiple_of: int = 8
   """Batch widths (dynamic padding, probes, the widest bucket) are rounded up to a multiple of this."""
   train_on: str = "all_assistant"
-  """all_assistant: every reply is trained; last: only the final reply."""
+  """all_assistant: every reply is trained; last: only the final reply. A reply whose turn has
+  OpenAI's `"weight": 0` is never trained (with last: the final reply of the others)."""
   worker_count: int = 0
   """Grain worker processes that tokenize records as batches are read (0: the main process). The
   trainer tokenizes every record once before step 1, so its pipeline has nothing left for them."""

@@ -255,3 +255,31 @@ def test_a_bad_csv_names_the_file_and_what_is_wrong(tmp_path, text, words):
     load_records(path)
   for word in words:
     assert word in str(e.value), (word, str(e.value))
+
+
+def test_openai_content_parts_and_developer_turns_are_read_as_text(tmp_path):
+  path = tmp_path / "parts.jsonl"
+  path.write_text("\n".join(json.dumps(r) for r in [
+      {"messages": [{"role": "developer", "content": "Be terse."},
+                    {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+                    {"role": "assistant", "content": [{"type": "text", "text": "Hello"}]}]},
+  ]) + "\n")
+  (record,) = load_records(path)
+  assert record["messages"] == [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi there"},
+                                {"role": "assistant", "content": "Hello"}]
+
+
+@pytest.mark.parametrize("turn, words", [
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]},
+     ["messages[0].content[0]", "'image_url'", "only text parts"]),
+    ({"role": "user", "content": [{"type": "text"}]}, ["messages[0].content[0].text", "missing"]),
+    ({"role": "user", "content": None, "tool_calls": [{"type": "function"}]},
+     ["messages[0].content", "a tool call"]),
+])
+def test_content_a_text_model_cannot_train_is_named(tmp_path, turn, words):
+  path = tmp_path / "bad.jsonl"
+  path.write_text(json.dumps({"messages": [turn, {"role": "assistant", "content": "ok"}]}) + "\n")
+  with pytest.raises(DataError) as e:
+    load_records(path)
+  for word in words:
+    assert word in str(e.value), (word, str(e.value))

@@ -70,6 +70,53 @@ def test_train_on_last(tokenizer, chat):
   assert len(runs) == 1 and tokenizer.decode(runs[0]).endswith(record["messages"][-1]["content"] + IM_END)
 
 
+@pytest.mark.parametrize("train_on", ["all_assistant", "last"])
+def test_a_reply_of_weight_0_stays_in_the_prompt_untrained(tokenizer, chat, tmp_path, train_on):
+  """OpenAI's per-turn weight: 0 keeps a reply out of the loss; the text is unchanged."""
+  import json
+
+  from jaxsft.data.template import SpanRenderer
+
+  record = next(r for r in chat if sum(m["role"] == "assistant" for m in r["messages"]) >= 3)
+  replies = [i for i, m in enumerate(record["messages"]) if m["role"] == "assistant"]
+  weighted = copy.deepcopy(dict(record))
+  weighted["messages"][replies[0]]["weight"] = 0
+  weighted["messages"][replies[-1]]["weight"] = 0  # "last": the final reply that is trained
+  for i in replies[1:-1]:
+    weighted["messages"][i]["weight"] = 1
+  path = tmp_path / "weighted.jsonl"
+  path.write_text(json.dumps(weighted) + "\n")
+  (loaded,) = load_records(path)
+  assert [m.get("weight") for m in loaded["messages"]] == [0 if i in (replies[0], replies[-1]) else None
+                                                           for i in range(len(loaded["messages"]))]
+  text, spans = render_with_spans(tokenizer, loaded, train_on=train_on)
+  assert SpanRenderer(tokenizer, train_on=train_on)(loaded) == (text, spans)
+  assert text == render_with_spans(tokenizer, record)[0]  # the weight changes no token
+  trained = replies[1:-1][-1:] if train_on == "last" else replies[1:-1]
+  runs = trained_runs(tokenize_example(tokenizer, loaded, max_length=100_000, train_on=train_on))
+  assert [tokenizer.decode(run).strip() for run in runs] == [record["messages"][i]["content"].strip() + IM_END
+                                                              for i in trained]
+
+
+@pytest.mark.parametrize("turns, words", [
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "weight": 0}],
+     ["messages[1].weight", "every assistant turn has weight 0"]),
+    ([{"role": "user", "content": "a", "weight": 1}, {"role": "assistant", "content": "b"}],
+     ["messages[0].weight", "only an assistant turn"]),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "weight": 0.5}],
+     ["messages[1].weight", "must be 0 or 1, got 0.5"]),
+])
+def test_a_bad_weight_is_named(tmp_path, turns, words):
+  import json
+
+  path = tmp_path / "w.jsonl"
+  path.write_text(json.dumps({"messages": turns}) + "\n")
+  with pytest.raises(DataError) as e:
+    load_records(path)
+  for word in words:
+    assert word in str(e.value), (word, str(e.value))
+
+
 def test_reply_starting_with_newline_merges_across_the_seam(tokenizer):
   record = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\n\nHello"}]}
   example = tokenize_example(tokenizer, record, max_length=64)

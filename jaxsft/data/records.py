@@ -6,7 +6,9 @@ ending with an assistant turn. Supported record formats (`fmt`, or detected per 
 - `alpaca`: `instruction`, optional `input`, `output`, optional `system`. A non-empty `input` is
   appended to the instruction after a blank line (`instruction + "\\n\\n" + input`), which is how
   Alpaca's prompt puts the input after the instruction.
-- `messages` (OpenAI style): `messages: [{"role", "content"}, ...]`.
+- `messages` (OpenAI style): `messages: [{"role", "content"}, ...]`; a content may be a list of
+  text parts (`[{"type": "text", "text": ...}]`, joined), a `developer` turn is a system turn, and
+  an assistant turn's `"weight": 0` keeps its reply untrained (`"weight"` is 0 or 1).
 - `sharegpt`: `conversations: [{"from", "value"}, ...]` with `from` in human/gpt/system
   (user/assistant accepted too).
 - `prompt_completion`: `prompt` and `completion`, both strings (one user and one assistant turn)
@@ -46,6 +48,8 @@ from jaxsft.errors import JaxsftError, one_line
 logger = logging.getLogger("jaxsft.data")
 
 ROLES = ("system", "user", "assistant")
+# OpenAI's `developer` turn is its newer name for the system turn (the chat templates know `system`).
+_MESSAGE_ROLES = {**{r: r for r in ROLES}, "developer": "system"}
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "system": "system"}
 # The keys whose presence identifies a format, in detection order.
@@ -422,16 +426,50 @@ def _turns(value, field: str, fm: dict, *, role_key: str, content_key: str, role
     role, content = turn.get(role_key), turn.get(content_key)
     if not isinstance(role, str):
       raise DataError("missing" if role is None else "must be a string", field=f"{here}.{role_key}")
-    role = (roles or {r: r for r in ROLES}).get(role)
+    role = (roles or _MESSAGE_ROLES).get(role)
     if role is None:
       raise DataError(f"unknown role {turn.get(role_key)!r} (expected one of "
-                      f"{sorted(roles or ROLES)})", field=f"{here}.{role_key}")
+                      f"{sorted(roles or _MESSAGE_ROLES)})", field=f"{here}.{role_key}")
     if content is None:
-      raise DataError("missing", field=f"{here}.{content_key}")
+      raise DataError("a tool call, not a text turn: only text is trained" if turn.get("tool_calls") else "missing",
+                      field=f"{here}.{content_key}")
+    if isinstance(content, list):
+      content = _text_of_parts(content, f"{here}.{content_key}")
     if not isinstance(content, str):
       raise DataError(f"must be a string, got {type(content).__name__}", field=f"{here}.{content_key}")
-    turns.append({"role": role, "content": content})
+    turns.append({"role": role, "content": content, **_weight(turn, role, f"{here}.weight")})
   return turns
+
+
+def _weight(turn: dict, role: str, field: str) -> dict:
+  """OpenAI's per-turn `weight`: 0 on an assistant turn keeps that reply out of the loss (it stays
+  in the prompt), 1 trains it as a turn without the key. `{"weight": 0}` to merge into the
+  normalized turn, else {}: a record without weights normalizes as before."""
+  if "weight" not in turn:
+    return {}
+  weight = turn["weight"]
+  if type(weight) is not int or weight not in (0, 1):
+    raise DataError(f"must be 0 or 1, got {weight!r}", field=field)
+  if role != "assistant":
+    raise DataError(f"only an assistant turn has a weight (this one is {role!r})", field=field)
+  return {"weight": 0} if weight == 0 else {}
+
+
+def _text_of_parts(parts: list, field: str) -> str:
+  """A turn's content given as OpenAI's list of parts (`[{"type": "text", "text": ...}, ...]`):
+  its text parts joined as one string, in order and with nothing between them, as the chat
+  templates of multimodal models write consecutive parts. Any other part (an image, audio) is
+  refused: a text model has no tokens for it."""
+  texts = []
+  for i, part in enumerate(parts):
+    if not isinstance(part, dict) or part.get("type") != "text":
+      kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+      raise DataError(f"content part {kind!r}: only text parts ({{'type': 'text', 'text': ...}}) can be trained",
+                      field=f"{field}[{i}]")
+    if not isinstance(part.get("text"), str):
+      raise DataError("must be a string" if "text" in part else "missing", field=f"{field}[{i}].text")
+    texts.append(part["text"])
+  return "".join(texts)
 
 
 def _check_conversation(messages: list[dict], *, fmt: str, fm: dict) -> None:
@@ -441,6 +479,9 @@ def _check_conversation(messages: list[dict], *, fmt: str, fm: dict) -> None:
   for i, m in enumerate(messages):
     if m["role"] == "assistant" and not m["content"].strip():
       raise DataError("empty assistant reply", field=_field_of(fmt, fm, i, "content"))
+  if all(m.get("weight") == 0 for m in messages if m["role"] == "assistant"):
+    raise DataError("every assistant turn has weight 0: nothing to train", field=_field_of(fmt, fm, len(messages) - 1,
+                                                                                           "weight"))
 
 
 def _field_of(fmt: str, fm: dict, i: int, what: str) -> str:

@@ -56,9 +56,9 @@ logger = logging.getLogger("jaxsft.data")
 
 # Part of every store's key: a change in how labels are derived (2: reply spans located in the
 # full render, so templates that render the last turn differently label as they render) or in which
-# records are kept (3: a UTF-8 byte-order mark no longer costs the first record under on_error=skip)
-# builds new stores.
-STORE_VERSION = 3
+# records are kept (3: a UTF-8 byte-order mark no longer costs the first record under on_error=skip;
+# 4: an assistant turn's `weight` of 0 keeps its reply untrained) builds new stores.
+STORE_VERSION = 4
 _ARRAYS = ("offsets", "full_lengths", "first_trained", "record_offsets")
 _BLOBS = ("tokens.bin", "trained.bin", "records.bin")
 _CRC_CHUNK = 1 << 24

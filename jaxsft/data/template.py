@@ -51,8 +51,8 @@ BOS); a tokenizer that adds a BOS by default gets its BOS text (`bos_prefix`) pr
 the rendered text does not already start with it.
 
 Two paths: `render_with_spans` (the reference) costs three or four template renders per
-assistant turn. `SpanRenderer` (the fast path) renders each conversation *shape* (the roles, and
-which contents are empty) once with unique sentinel strings in place of the contents, and applies
+assistant turn. `SpanRenderer` (the fast path) renders each conversation *shape* (the roles,
+which contents are empty and which replies a weight of 0 leaves untrained) once with unique sentinel strings in place of the contents, and applies
 the rule to that render: it gives the template text around every content and, in sentinel
 coordinates, every quantity the rule needs (where each generation prompt and each reply end, the
 template text after a reply). A conversation is then rendered once, and the fast path is taken
@@ -148,9 +148,15 @@ def _with_bos(full: str, spans: Spans, bos: str) -> tuple[str, Spans]:
   return full, spans
 
 
-def _trained_turns(roles, train_on: str) -> list[int]:
-  turns = [i for i, role in enumerate(roles) if role == "assistant"]
+def _trained_turns(roles, train_on: str, untrained=frozenset()) -> list[int]:
+  """The turns whose replies are trained: the assistant turns but those `untrained` (a `weight`
+  of 0 in the record), or with train_on="last" the final one of them."""
+  turns = [i for i, role in enumerate(roles) if role == "assistant" and i not in untrained]
   return turns[-1:] if train_on == "last" else turns
+
+
+def _weighted_out(messages) -> frozenset[int]:
+  return frozenset(i for i, m in enumerate(messages) if m.get("weight") == 0)
 
 
 def _check_train_on(train_on: str) -> None:
@@ -300,7 +306,7 @@ def render_with_spans(tokenizer, record: dict, *, train_on: str = "all_assistant
   render = lambda msgs, gen=False: render_chat(tokenizer, msgs, generation_prompt=gen)
   full = render(messages)
   spans = []
-  for i in _trained_turns([m["role"] for m in messages], train_on):
+  for i in _trained_turns([m["role"] for m in messages], train_on, _weighted_out(messages)):
     rule = locate_reply(render, messages, full, i, _PROBE)
     start = rule.start(full, messages[i]["content"])
     probed = probe_turn(messages, i, _PROBE)
@@ -345,7 +351,7 @@ class SpanRenderer:
 
   def __call__(self, record: dict) -> tuple[str, Spans]:
     messages = record["messages"]
-    shape = tuple((m["role"], m["content"] == "") for m in messages)
+    shape = tuple((m["role"], m["content"] == "", m.get("weight") == 0) for m in messages)
     plan = self.plans.get(shape, False)
     if plan is False:
       plan = self.plans[shape] = self._plan(shape)
@@ -377,18 +383,19 @@ class SpanRenderer:
     """The shape's sentinel render, or None when positions cannot be mapped (then records of this
     shape take the reference path, which also raises the errors it raises)."""
     sentinels = [_SENTINEL.format(i) for i in range(len(shape))]
-    messages = [{"role": role, "content": "" if empty else sentinels[i]} for i, (role, empty) in enumerate(shape)]
+    messages = [{"role": role, "content": "" if empty else sentinels[i]} for i, (role, empty, _) in enumerate(shape)]
     render = lambda msgs, gen=False: render_chat(self.tokenizer, msgs, generation_prompt=gen)
     try:
       full = render(messages)
     except Exception:  # the template rejects this shape: the reference path raises it with context
       return None
-    order = [i for i, (_, empty) in enumerate(shape) if not empty]
+    order = [i for i, (_, empty, _) in enumerate(shape) if not empty]
     ends = _sentinel_ends(full, [sentinels[i] for i in order])
     if ends is None:
       return None
     turns = []
-    for i in _trained_turns([role for role, _ in shape], self.train_on):
+    weighted_out = frozenset(i for i, (_, _, out) in enumerate(shape) if out)
+    for i in _trained_turns([role for role, _, _ in shape], self.train_on, weighted_out):
       turn = self._plan_turn(render, messages, full, i, ends)
       if turn is None:
         return None
