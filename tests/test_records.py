@@ -74,6 +74,8 @@ BAD = [
     ("missing.json", json.dumps([{"instruction": "a", "output": "b"}, {"instruction": "a", "outptu": "b"}]),
      ["index 1", "field 'output': missing", "Alpaca record"]),
     ("unknown.json", json.dumps([{"question": "a", "answer": "b"}]), ["index 0", "unknown record format"]),
+    ("plain_text.jsonl", json.dumps({"text": "Once upon a time"}), ["line 1", "field 'text'", "plain text",
+                                                                    "prompt and a completion"]),
     ("missing_content.jsonl", json.dumps({"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}),
      ["line 1", "'messages[0].content'", "missing"]),
     ("nonstring.json", json.dumps([{"instruction": "a", "input": 3, "output": "b"}]),

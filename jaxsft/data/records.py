@@ -375,6 +375,10 @@ def normalize_record(raw: Any, *, fmt: str = "auto", field_map: dict[str, str] |
       missing = next(k for k in keys if not has(raw, k))
       raise DataError(f"missing (keys {sorted(raw)} look like {_FORMAT_NAMES[name]} record, which needs "
                       f"{' and '.join(repr(fieldname(k)) for k in keys)})", field=fieldname(missing))
+    if fmt is None and has(raw, "text"):  # a language-modeling corpus (TRL's "text" datasets)
+      raise DataError("plain text, with no reply to train: jaxsft trains the assistant replies of chat records; "
+                      "give each record a prompt and a completion (or instruction and output, or messages)",
+                      field=fieldname("text"))
     if fmt is None:
       raise DataError(f"unknown record format: keys {sorted(raw)}; expected one of "
                       "messages, conversations, instruction+output, prompt+completion (or pass field_map)")
