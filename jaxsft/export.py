@@ -150,6 +150,8 @@ def write_gguf(path: pathlib.Path, config, tensors: dict[str, np.ndarray], token
     tokenizer_fields = gguf.gguf_tokenizer_fields(tokenizer, source_gguf)
   except gguf.TokenizerNotConvertible as e:
     raise ExportError(str(e)) from None
+  if getattr(tokenizer, "chat_template", None):  # a source GGUF without one: the template trained with
+    tokenizer_fields.setdefault("tokenizer.chat_template", tokenizer.chat_template)
   gguf.write_gguf(path, config, tensors, tokenizer_fields, dtype, name)
 
 
@@ -217,6 +219,13 @@ def export(model_name: str, adapter: str | None, out: str | pathlib.Path, *, fmt
                                               quantize_embeddings=quantize_embeddings)
   except ValueError as e:
     raise ExportError(str(e)) from None
+  if not getattr(tokenizer, "chat_template", None):
+    from jaxsft.data import PLAIN_CHAT_TEMPLATE
+
+    # A base without a chat template was trained on records rendered with jaxsft's plain template:
+    # the exported model carries it, so apply_chat_template (or llama.cpp's --jinja) formats a
+    # prompt as the training text was.
+    tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
   quant.dequantize_model(model)  # merge into (and write) the base as the quantized run saw it
   config = model.config
   if fmt == "gguf":

@@ -59,6 +59,31 @@ def test_hf_export_reloads_to_the_tuned_logits(tiny, tokenizer):
   assert exported.apply_chat_template(messages, tokenize=False) == tokenizer.apply_chat_template(messages, tokenize=False)
 
 
+@pytest.mark.slow
+def test_a_base_without_a_chat_template_exports_the_template_it_trained_with(tiny, tokenizer):
+  """Its records were rendered with jaxsft's plain template: the HF folder and the GGUF carry it."""
+  from gguf import GGUFReader
+  from transformers import AutoTokenizer
+
+  from jaxsft.data import PLAIN_CHAT_TEMPLATE
+  from jaxsft.data.template import render_chat
+
+  base = tiny["root"] / "no_template"
+  make_model_dir(base, tokenizer)
+  (base / "chat_template.jinja").unlink(missing_ok=True)
+  config = json.loads((base / "tokenizer_config.json").read_text())
+  (base / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "chat_template"}))
+  trained_with = models.load_tokenizer(str(base))
+  assert not trained_with.chat_template
+  messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+              {"role": "assistant", "content": "Hello"}]
+  hf = AutoTokenizer.from_pretrained(str(export.export(str(base), None, tiny["root"] / "no_template_hf")))
+  assert hf.chat_template == PLAIN_CHAT_TEMPLATE
+  assert hf.apply_chat_template(messages, tokenize=False) == render_chat(trained_with, messages)
+  reader = GGUFReader(str(export.export(str(base), None, tiny["root"] / "no_template_gguf", fmt="gguf") / "model.gguf"))
+  assert reader.fields["tokenizer.chat_template"].contents() == PLAIN_CHAT_TEMPLATE
+
+
 def test_hf_export_shards_past_the_size_limit(tiny):
   out = export.export(str(tiny["model"]), str(tiny["adapter"]), tiny["root"] / "sharded", max_shard_size="4MB")
   index = json.loads((out / "model.safetensors.index.json").read_text())
