@@ -84,14 +84,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def load(model_name: str, adapter: str | None, dtype: str, quantize: str = "none", quant_block_size: int = 32,
-         quantize_embeddings: bool = False):
-  """(model, tokenizer) with the adapter applied (on the base quantized as the run trained it);
-  ChatError on a missing or mismatched adapter."""
+         quantize_embeddings: bool = False, chat_template: str | None = None):
+  """(model, tokenizer) with the adapter applied (on the base quantized as the run trained it,
+  the tokenizer with the run's chat template); ChatError on a missing or mismatched adapter."""
   from jaxsft import lora
 
   try:
     return lora.load_with_adapter(model_name, adapter, dtype=dtype, quantize=quantize,
-                                  quant_block_size=quant_block_size, quantize_embeddings=quantize_embeddings)
+                                  quant_block_size=quant_block_size, quantize_embeddings=quantize_embeddings,
+                                  chat_template=chat_template)
   except ValueError as e:
     raise ChatError(str(e)) from None
 
@@ -101,7 +102,7 @@ def load_from_args(args):
 
   source = model_source(args)
   return load(source.model, source.adapter, args.dtype or source.dtype, source.quantize, source.quant_block_size,
-              source.quantize_embeddings)
+              source.quantize_embeddings, source.chat_template)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -114,6 +114,9 @@ def add_model_source(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
   group.add_argument("--quantize-embeddings", action="store_true", default=None,
                      help="with --quantize: the embeddings and LM head quantized too, as model.quantize_embeddings "
                           "(default: RUN_DIR's, else off)")
+  group.add_argument("--chat-template", default=None, metavar="PATH",
+                     help="a Jinja chat template file, or a tokenizer folder whose template to use, as "
+                          "model.chat_template (default: RUN_DIR's, else the tokenizer's own)")
   return group
 
 
@@ -133,7 +136,8 @@ def model_source(args: argparse.Namespace) -> RunSource:
   source = resolve_run(args.run_dir) if args.run_dir else RunSource(args.model, args.adapter, "float32")
   return dataclasses.replace(source, quantize=args.quantize or source.quantize,
                              quant_block_size=args.quant_block_size or source.quant_block_size,
-                             quantize_embeddings=bool(args.quantize_embeddings or source.quantize_embeddings))
+                             quantize_embeddings=bool(args.quantize_embeddings or source.quantize_embeddings),
+                             chat_template=args.chat_template or source.chat_template)
 
 
 if __name__ == "__main__":

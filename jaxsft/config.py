@@ -39,6 +39,8 @@ class ModelConfig:
   """Inputs per quantization block (one float16 scale each) for int8/nf4/int4: 32 costs NF4 4.5 bits a weight, 64 4.25 bits; gguf files fix theirs at 32."""
   quantize_embeddings: bool = False
   """With `quantize`: store the embedding table and LM head in the same format too (blocks along the hidden size; gguf: the file's own token_embd/output blocks). The lookup dequantizes the rows it takes, the LM head is dequantized whole for the logits. Off: they stay in `dtype`."""
+  chat_template: str | None = None
+  """A Jinja chat template replacing the tokenizer's own: a template file, or a tokenizer folder whose template to take (its chat_template.jinja or tokenizer_config.json's). None: the tokenizer's; a base model without one trains on jaxsft's plain `User:` / `Assistant:` layout. The run's config keeps the path: chat, evaluate and export use the same template, and export writes it with the model."""
   remat: str = "dots_no_batch"
   """What each decoder layer keeps for the backward pass, the rest recomputed: dots_no_batch (the projections' and the attention's outputs; attention scores, norms and activations recomputed: the fastest measured), dots (every matmul output, attention scores too), full (nothing: least memory, one more forward pass), none (all that JAX saves)."""
 
@@ -262,6 +264,7 @@ ALIASES = {
     "val-data": "data.val_path",
     "field-map": "data.field_map",
     "model": "model.name",
+    "chat-template": "model.chat_template",
     "output-dir": "output_dir",
     "max-steps": "max_steps",
     "batching": "data.batching",

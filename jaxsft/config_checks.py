@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from typing import Any
 
@@ -128,6 +129,9 @@ def _leaves(obj, prefix: str = "") -> list[tuple[str, Any]]:
 
 
 def _check_model(cfg) -> None:
+  template = cfg.model.chat_template
+  if template is not None and not os.path.exists(os.path.expanduser(template)):
+    raise ConfigError(f"model.chat_template: {template}: no such file or folder")
   """Model settings that cannot go together."""
   if cfg.model.quantize_embeddings and cfg.model.quantize == "none":
     raise ConfigError("model.quantize_embeddings=true needs a model.quantize format (int8, nf4, int4 "

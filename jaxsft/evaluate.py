@@ -162,10 +162,10 @@ def _main(args) -> int:
   dtype = cfg.model.dtype
   base = None
   if full:
-    model, tokenizer = models.load_model(str(files.full_model), dtype=dtype)
+    model, tokenizer = models.load_model(str(files.full_model), dtype=dtype, chat_template=cfg.model.chat_template)
     base = models.load_causal_lm(cfg.model.name, dtype=dtype)
   else:
-    model, tokenizer = models.load_model(cfg.model.name, dtype=dtype)
+    model, tokenizer = models.load_model(cfg.model.name, dtype=dtype, chat_template=cfg.model.chat_template)
     lora_lib.load_adapter(model, str(files.adapter))
   records = json.loads(files.heldout.read_text())
   out = compare_base_and_tuned(model, tokenizer, records, cfg, base=base)

@@ -195,7 +195,7 @@ def check_out(out: pathlib.Path, sources: dict[str, str | None], overwrite: bool
 def export(model_name: str, adapter: str | None, out: str | pathlib.Path, *, fmt: str = "hf",
            dtype: str = "float32", overwrite: bool = False, max_shard_size: int | str = "5GB",
            run_dir: str | None = None, quantize: str = "none", quant_block_size: int = 32,
-           quantize_embeddings: bool = False) -> pathlib.Path:
+           quantize_embeddings: bool = False, chat_template: str | None = None) -> pathlib.Path:
   """Merge `adapter` into `model_name` and write it to `out` (see the module docstring)."""
   from jaxsft import io, lora, quant
   from jaxsft.models import hub
@@ -216,7 +216,7 @@ def export(model_name: str, adapter: str | None, out: str | pathlib.Path, *, fmt
   try:
     model, tokenizer = lora.load_with_adapter(model_name, adapter, dtype="float32", quantize=quantize,
                                               quant_block_size=quant_block_size,
-                                              quantize_embeddings=quantize_embeddings)
+                                              quantize_embeddings=quantize_embeddings, chat_template=chat_template)
   except ValueError as e:
     raise ExportError(str(e)) from None
   if not getattr(tokenizer, "chat_template", None):
@@ -284,7 +284,8 @@ def _main(args) -> int:
     raise ExportError("--quantize-embeddings needs --quantize (int8, nf4, int4 or gguf)")
   out = export(source.model, source.adapter, args.out, fmt=args.format, dtype=args.dtype, overwrite=args.overwrite,
                max_shard_size=args.max_shard_size, run_dir=args.run_dir, quantize=source.quantize,
-               quant_block_size=source.quant_block_size, quantize_embeddings=source.quantize_embeddings)
+               quant_block_size=source.quant_block_size, quantize_embeddings=source.quantize_embeddings,
+               chat_template=source.chat_template)
   size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
   print(f"wrote {out} ({args.format}, {args.dtype}, {size / 2**20:.1f} MiB)", file=sys.stderr)
   return 0

@@ -407,9 +407,11 @@ def _adapter_tensors_by_module(model, tensors: dict[str, np.ndarray], r: int, we
 
 
 def load_with_adapter(model_name: str, adapter: str | os.PathLike | None, *, dtype: str, quantize: str = "none",
-                      quant_block_size: int = DEFAULT_BLOCK, quantize_embeddings: bool = False):
-  """(model, tokenizer) of `model_name` (its base stored as `quantize` says, see `jaxsft.quant`)
-  with the PEFT adapter in `adapter` (None: no adapter) loaded onto it. A missing model, a folder
+                      quant_block_size: int = DEFAULT_BLOCK, quantize_embeddings: bool = False,
+                      chat_template: str | None = None):
+  """(model, tokenizer) of `model_name` (its base stored as `quantize` says, see `jaxsft.quant`;
+  its tokenizer with the chat template at `chat_template`, when given) with the PEFT adapter in
+  `adapter` (None: no adapter) loaded onto it. A missing model, a folder
   that is not an adapter, or an adapter for another base raise ValueError with one line that
   says which."""
   from jaxsft import models  # models' loading imports this module
@@ -418,7 +420,7 @@ def load_with_adapter(model_name: str, adapter: str | os.PathLike | None, *, dty
     raise ValueError(f"{pathlib.Path(adapter) / ADAPTER_CONFIG} is missing: not a PEFT adapter directory")
   try:
     model, tokenizer = models.load_model(model_name, dtype=dtype, quantize=quantize, quant_block_size=quant_block_size,
-                                         quantize_embeddings=quantize_embeddings)
+                                         quantize_embeddings=quantize_embeddings, chat_template=chat_template)
   except ModelNotFoundError:
     raise  # it names the model already
   except (FileNotFoundError, ValueError, KeyError) as e:

@@ -267,8 +267,8 @@ class RunDirError(JaxsftError):
 @dataclasses.dataclass
 class RunSource:
   """What loads a finished run's tuned model: the base `model` with its `adapter` folder (LoRA),
-  or the run's `model/` folder and no adapter (full fine-tuning); the run's dtype and
-  quantization of the base."""
+  or the run's `model/` folder and no adapter (full fine-tuning); the run's dtype, quantization
+  of the base and chat template (`model.chat_template`: None, the tokenizer's own)."""
 
   model: str
   adapter: str | None
@@ -276,6 +276,7 @@ class RunSource:
   quantize: str = "none"
   quant_block_size: int = 32  # model.quant_block_size's default
   quantize_embeddings: bool = False
+  chat_template: str | None = None
 
 
 def resolve_run(run_dir: str | os.PathLike) -> RunSource:
@@ -289,7 +290,8 @@ def resolve_run(run_dir: str | os.PathLike) -> RunSource:
     raise RunDirError(f"{files.config}: line {e.lineno}: invalid JSON ({e.msg})") from None
   model_cfg = cfg.get("model", {})
   if files.holds_full_model():
-    return RunSource(str(files.full_model), None, model_cfg.get("dtype", "float32"))
+    return RunSource(str(files.full_model), None, model_cfg.get("dtype", "float32"),
+                     chat_template=model_cfg.get("chat_template"))
   if not (files.adapter / "adapter_config.json").is_file():
     raise RunDirError(f"{files.adapter / 'adapter_config.json'} is missing: {files.dir} has no adapter yet "
                       f"(the run has not saved one; it writes it at checkpoints and at the end)")
@@ -297,7 +299,8 @@ def resolve_run(run_dir: str | os.PathLike) -> RunSource:
   if not name:
     raise RunDirError(f"{files.config}: field model.name is missing")
   return RunSource(name, str(files.adapter), model_cfg.get("dtype", "float32"), model_cfg.get("quantize", "none"),
-                   model_cfg.get("quant_block_size", RunSource.quant_block_size), bool(model_cfg.get("quantize_embeddings", False)))
+                   model_cfg.get("quant_block_size", RunSource.quant_block_size), bool(model_cfg.get("quantize_embeddings", False)),
+                   model_cfg.get("chat_template"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,6 +22,9 @@ def _data_arguments(parser: argparse.ArgumentParser, *, max_length: int, on_erro
                     help="JSON array or JSONL, CSV/TSV with a header (.gz ok), parquet/Arrow file, or a folder of parquet shards or "
                          "from datasets' save_to_disk")
   data.add_argument("--model", default="smollm2-135m-instruct", help="tokenizer source (default: %(default)s)")
+  data.add_argument("--chat-template", default=None, metavar="PATH",
+                    help="a Jinja chat template file, or a tokenizer folder whose template to use, as the train "
+                         "command's model.chat_template (default: the tokenizer's own)")
   data.add_argument("--max-length", type=int, default=max_length, help="truncation length (default: %(default)s)")
   data.add_argument("--field-map", type=json.loads, default=None,
                     help='canonical -> file field names, e.g. \'{"instruction": "question", "output": "answer"}\'')
@@ -78,7 +81,7 @@ def _main(args) -> int:
   from jaxsft.data.records import DataError
   from jaxsft.models.hub import load_tokenizer
 
-  tokenizer = load_tokenizer(args.model)
+  tokenizer = load_tokenizer(args.model, chat_template=args.chat_template)
   try:
     if args.command == "stats":
       args.cost = _cost(args.cost_from)

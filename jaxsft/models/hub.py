@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import hashlib
 import importlib.util
+import json
 import os
 import pathlib
 from typing import Iterator
@@ -94,7 +95,42 @@ def hub_errors_named(source: ModelSource) -> Iterator[None]:
                              f"or download it first") from e
 
 
-def load_tokenizer(source: ModelSource | str):
+def read_chat_template(path: str | os.PathLike) -> str:
+  """The Jinja chat template at `path`: a template file, or a tokenizer folder's own
+  (`chat_template.jinja`, else `tokenizer_config.json`'s `chat_template` string). ModelError naming
+  the path when there is none, or it is not Jinja that compiles."""
+  import jinja2
+
+  path = pathlib.Path(os.path.expanduser(os.fspath(path)))
+  file = path / "chat_template.jinja" if path.is_dir() else path
+  try:
+    if path.is_dir() and not file.is_file():
+      config = path / "tokenizer_config.json"
+      text = json.loads(config.read_text(encoding="utf-8")).get("chat_template") if config.is_file() else None
+      if not isinstance(text, str):  # a list of named templates, or none
+        raise ModelError(f"chat template {path}: the folder has no chat_template.jinja, and its tokenizer_config.json "
+                         "no chat_template string")
+    else:
+      text = file.read_text(encoding="utf-8")
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ModelError(f"chat template {path}: cannot read it ({type(e).__name__}: {one_line(e)})") from None
+  try:
+    jinja2.Environment().parse(text)
+  except jinja2.TemplateSyntaxError as e:
+    raise ModelError(f"chat template {file}: line {e.lineno}: {e.message}") from None
+  return text
+
+
+def load_tokenizer(source: ModelSource | str, *, chat_template: str | os.PathLike | None = None):
+  """The tokenizer of a model (`_load_tokenizer`), its chat template replaced by the one at
+  `chat_template` (`read_chat_template`) when given."""
+  tokenizer = _load_tokenizer(source)
+  if chat_template is not None:
+    tokenizer.chat_template = read_chat_template(chat_template)
+  return tokenizer
+
+
+def _load_tokenizer(source: ModelSource | str):
   """The tokenizer of a model, cached as Hugging Face files after the first GGUF load.
 
   A GGUF's cached tokenizer is the fast tokenizer jaxsft wrote itself, so it loads as that class

@@ -28,7 +28,8 @@ _CACHE_FORMAT = "2"
 
 def load_model(name_or_path: str, *, dtype: str = "float32", attention: str = "xla",
                remat: str | Callable | None = decoder.DEFAULT_REMAT, quantize: str = "none",
-               quant_block_size: int = DEFAULT_BLOCK, quantize_embeddings: bool = False):
+               quant_block_size: int = DEFAULT_BLOCK, quantize_embeddings: bool = False,
+               chat_template: str | None = None):
   """`(model, tokenizer)` for a short name, HF directory, hub id or `.gguf` file.
 
   Args:
@@ -40,11 +41,13 @@ def load_model(name_or_path: str, *, dtype: str = "float32", attention: str = "x
       Q4_0 / Q4_1 / Q8_0 blocks).
     quantize_embeddings: the embedding table and LM head too (gguf: the file's own blocks of
       `token_embd` and `output`).
+    chat_template: a template file or tokenizer folder whose chat template replaces the
+      tokenizer's (`hub.read_chat_template`).
   """
   source = resolve_model(name_or_path)
   model = load_causal_lm(source, dtype=dtype, attention=attention, remat=remat, quantize=quantize,
                          quant_block_size=quant_block_size, quantize_embeddings=quantize_embeddings)
-  return model, load_tokenizer(source)
+  return model, load_tokenizer(source, chat_template=chat_template)
 
 
 def load_causal_lm(source: ModelSource | str, *, dtype: str = "float32", attention: str = "xla",

@@ -111,7 +111,7 @@ def load_file(path: str, cfg: config_lib.TrainConfig, *, fmt: str | None = None,
 def _load_file(path: str, cfg: config_lib.TrainConfig, *, fmt: str | None, field_map: dict | None):
   d = cfg.data
   fmt, field_map = (d.format, d.field_map) if fmt is None else (fmt, field_map)
-  tokenizer = models.load_tokenizer(cfg.model.name)
+  tokenizer = models.load_tokenizer(cfg.model.name, chat_template=cfg.model.chat_template)
   if d.cache:
     result = data_lib.open_or_build(path, tokenizer, max_length=d.max_length, train_on=d.train_on, fmt=fmt,
                                     field_map=field_map, on_error=d.on_error, cache_dir=d.cache_dir)

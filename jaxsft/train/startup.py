@@ -117,7 +117,8 @@ def load_model_to_train(cfg: config_lib.TrainConfig):
            "" if cfg.model.quantize == "none" else f", base quantized {cfg.model.quantize}")
   model, tokenizer = models.load_model(cfg.model.name, dtype=cfg.model.dtype, remat=cfg.model.remat,
                                        quantize=cfg.model.quantize, quant_block_size=cfg.model.quant_block_size,
-                                       quantize_embeddings=cfg.model.quantize_embeddings)
+                                       quantize_embeddings=cfg.model.quantize_embeddings,
+                                       chat_template=cfg.model.chat_template)
   note = matmul_lib.cpu_16bit_note(model.dtype)
   if note:
     log.warning("%s", note)
