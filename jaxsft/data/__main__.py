@@ -144,7 +144,8 @@ def _stats(args, tokenizer, records, tokenized, skipped: tuple[dict[str, int], l
 
   summary = length_summary(tokenized)
   reasons, first = skipped
-  print(f"{args.data}: {len(records)} records ({sum(reasons.values())} skipped), tokenizer {args.model}")
+  template = f", chat template {args.chat_template}" if args.chat_template else ""
+  print(f"{args.data}: {len(records)} records ({sum(reasons.values())} skipped), tokenizer {args.model}{template}")
   for line in skip_lines(reasons, first):  # what --on-error raise would stop at
     print(line)
   print(f"tokens per example (before truncation): min {summary['min']}, p50 {summary['p50']:.0f}, "
