@@ -113,8 +113,9 @@ def setup(cfg: config_lib.TrainConfig) -> tuple[Run, RunState]:
 
 def load_model_to_train(cfg: config_lib.TrainConfig):
   """(model, tokenizer): the base as the config stores it, with LoRA applied in lora mode."""
-  log.info("loading model %s (%s%s)", cfg.model.name, cfg.model.dtype,
-           "" if cfg.model.quantize == "none" else f", base quantized {cfg.model.quantize}")
+  log.info("loading model %s (%s%s%s)", cfg.model.name, cfg.model.dtype,
+           "" if cfg.model.quantize == "none" else f", base quantized {cfg.model.quantize}",
+           "" if cfg.model.chat_template is None else f", chat template {cfg.model.chat_template}")
   model, tokenizer = models.load_model(cfg.model.name, dtype=cfg.model.dtype, remat=cfg.model.remat,
                                        quantize=cfg.model.quantize, quant_block_size=cfg.model.quant_block_size,
                                        quantize_embeddings=cfg.model.quantize_embeddings,
