@@ -225,6 +225,19 @@ def test_check_rejects_records_like_the_loader(tmp_path):
   assert report.skipped == [("line 2", "assistant turn 1: refused")]
 
 
+@pytest.mark.parametrize("path, hub_hint", [("tatsu-lab/alpaca", True), ("gone.jsonl", False), ("data/gone.jsonl", False)])
+def test_a_missing_data_path_is_named_and_a_hub_id_told_how_to_fetch_it(tmp_path, monkeypatch, path, hub_hint):
+  from jaxsft.data.store import open_or_build
+
+  monkeypatch.chdir(tmp_path)
+  for load in (load_records, lambda p: open_or_build(p, None, max_length=64, cache_dir=tmp_path / "tokens")):
+    with pytest.raises(DataError) as e:
+      load(path)
+    assert str(e.value).startswith(f"{path}: no such file")
+    assert ("save_to_disk(FOLDER)" in str(e.value)) == hub_hint
+  assert not (tmp_path / "tokens").exists()
+
+
 def test_csv_and_tsv_cells_are_read_as_text_with_quoted_commas_and_newlines(tmp_path):
   import csv
 

@@ -206,6 +206,17 @@ class _BadLine:
   reason: str
 
 
+def no_such_data(path: str | os.PathLike) -> DataError:
+  """The error for a data path that is not there; a hub dataset id (`owner/name`) is told how to
+  make it a folder jaxsft reads, as jaxsft downloads no data."""
+  path = os.fspath(path)
+  hint = ""
+  if path.count("/") == 1 and not path.startswith((".", "/", "~")) and "." not in path.rsplit("/", 1)[1]:
+    hint = (" (a Hugging Face hub dataset is not downloaded here: save it with datasets' "
+            "load_dataset(...).save_to_disk(FOLDER), or to_json(FILE), and pass that)")
+  return DataError(f"no such file{hint}", path=path)
+
+
 def _open_binary(path: str):
   return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
@@ -225,7 +236,7 @@ def _read_raw(path: str) -> Iterator[tuple[str, Any]]:
     yield from _read_delimited(path, delimiter)
     return
   if not os.path.isfile(path):
-    raise DataError("no such file", path=path)
+    raise no_such_data(path)
   try:
     with _open_binary(path) as f:
       first = _first_byte(f)
@@ -281,7 +292,7 @@ def _arrow_files(path: str) -> list[str]:
   """The Arrow/parquet files of a path, in order (see the module docstring)."""
   if not os.path.isdir(path):
     if not os.path.isfile(path):
-      raise DataError("no such file", path=path)
+      raise no_such_data(path)
     return [path]
   if os.path.isfile(os.path.join(path, "dataset_dict.json")):
     with open(os.path.join(path, "dataset_dict.json")) as f:
@@ -339,7 +350,7 @@ def _read_delimited(path: str, delimiter: str) -> Iterator[tuple[str, Any]]:
   except ImportError:
     raise DataError("reading CSV/TSV data needs pyarrow (pip install pyarrow)", path=path) from None
   if not os.path.isfile(path):
-    raise DataError("no such file", path=path)
+    raise no_such_data(path)
   parse = csv.ParseOptions(delimiter=delimiter, newlines_in_values=True)
 
   def reader(column_types=None):

@@ -45,7 +45,7 @@ import numpy as np
 
 from jaxsft import io
 from jaxsft.io import jaxsft_cache
-from jaxsft.data.records import SkipReport
+from jaxsft.data.records import SkipReport, no_such_data
 from jaxsft.data.examples import ExampleSource, LengthOnlyExamples, RecordsWithTokens, TokenizedRecords
 from jaxsft.data.template import PLAIN_CHAT_TEMPLATE, bos_prefix
 from jaxsft.data.tokenize import encode_rendered, fast_backend, iter_rendered
@@ -384,6 +384,8 @@ def open_or_build(path, tokenizer, *, max_length: int, train_on: str = "all_assi
   """The store of `path` under these settings: found in `cache_root(cache_dir)`, else built
   there. A damaged store is reported, removed and rebuilt."""
   t0 = time.perf_counter()
+  if not os.path.exists(path):
+    raise no_such_data(path)
   root = cache_root(cache_dir)
   key, parts = store_key(path, tokenizer, max_length=max_length, train_on=train_on, fmt=fmt, field_map=field_map,
                          on_error=on_error)
