@@ -219,13 +219,9 @@ def export(model_name: str, adapter: str | None, out: str | pathlib.Path, *, fmt
                                               quantize_embeddings=quantize_embeddings, chat_template=chat_template)
   except ValueError as e:
     raise ExportError(str(e)) from None
-  if not getattr(tokenizer, "chat_template", None):
-    from jaxsft.data import PLAIN_CHAT_TEMPLATE
+  from jaxsft.data.template import as_trained
 
-    # A base without a chat template was trained on records rendered with jaxsft's plain template:
-    # the exported model carries it, so apply_chat_template (or llama.cpp's --jinja) formats a
-    # prompt as the training text was.
-    tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+  tokenizer = as_trained(tokenizer)  # a base without a chat template: the plain one it trained on
   quant.dequantize_model(model)  # merge into (and write) the base as the quantized run saw it
   config = model.config
   if fmt == "gguf":

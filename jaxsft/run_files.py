@@ -240,13 +240,22 @@ class RunFiles:
         kept.append(json.dumps(record))
     io.write_text(self.metrics, "".join(line + "\n" for line in kept))
 
-  def save_adapter(self, model, base_model_name_or_path: str) -> None:
-    """The PEFT adapter folder, replaced whole (a reader never sees a mix of two steps)."""
+  def save_adapter(self, model, base_model_name_or_path: str, tokenizer=None) -> None:
+    """The PEFT adapter folder, replaced whole (a reader never sees a mix of two steps), with the
+    run's `tokenizer` beside it, as TRL saves one: `AutoTokenizer.from_pretrained` of the folder
+    gives the chat template the adapter was trained with."""
     if not self.writer:
       return
     from jaxsft import lora
 
-    io.replace_directory(self.adapter, lambda tmp: lora.save_adapter(model, tmp, base_model_name_or_path=base_model_name_or_path))
+    def fill(tmp: pathlib.Path) -> None:
+      lora.save_adapter(model, tmp, base_model_name_or_path=base_model_name_or_path)
+      if tokenizer is not None:
+        from jaxsft.data.template import as_trained
+
+        as_trained(tokenizer).save_pretrained(str(tmp))
+
+    io.replace_directory(self.adapter, fill)
 
   def save_full_model(self, fill: Callable[[pathlib.Path], None]) -> None:
     """The full fine-tuned model folder, filled by `fill(tmp)` and replaced whole."""

@@ -79,6 +79,7 @@ def test_a_run_trains_on_its_template_and_chat_and_export_use_it(tiny_dir, small
   assert cli.model_source(parser.parse_args([str(run), "--chat-template", "other.jinja"])).chat_template == "other.jinja"
   out = export.export(source.model, source.adapter, tmp_path / "hf", chat_template=source.chat_template)
   assert AutoTokenizer.from_pretrained(str(out)).chat_template == TEMPLATE
+  assert AutoTokenizer.from_pretrained(str(run / "adapter")).chat_template == TEMPLATE  # saved as TRL saves it
   # A template the trainer cannot read is one error line before anything is written.
   broken = tmp_path / "broken.jinja"
   broken.write_text("{% if %}")

@@ -87,6 +87,19 @@ PLAIN_CHAT_TEMPLATE = (
 Spans = list[tuple[int, int]]
 
 
+def as_trained(tokenizer):
+  """The tokenizer to write beside a tuned model: `tokenizer` itself, or where it has no chat
+  template a copy carrying `PLAIN_CHAT_TEMPLATE`, the one its records were rendered with, so that
+  `apply_chat_template` on the saved tokenizer formats a prompt as the training text was."""
+  if getattr(tokenizer, "chat_template", None):
+    return tokenizer
+  import copy
+
+  tokenizer = copy.copy(tokenizer)
+  tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+  return tokenizer
+
+
 def render_chat(tokenizer, messages, *, generation_prompt: bool = False) -> str:
   """`messages` rendered as text with the tokenizer's chat template (`PLAIN_CHAT_TEMPLATE` when it
   has none); a conversation the template's `raise_exception` (or jinja's sandbox) refuses, or a

@@ -211,7 +211,7 @@ def save_tuned(run: Run, trainable) -> None:
   if run.cfg.mode == "full":
     save_full_model(run, run.model(trainable))
   else:  # the adapter is the LoRA params alone: the frozen base stays as the steps hold it
-    run.files.save_adapter(nnx.merge(run.graphdef, trainable, run.frozen), run.cfg.model.name)
+    run.files.save_adapter(nnx.merge(run.graphdef, trainable, run.frozen), run.cfg.model.name, run.tokenizer)
 
 
 def save_full_model(run: Run, model) -> None:
