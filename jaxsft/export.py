@@ -150,8 +150,8 @@ def write_gguf(path: pathlib.Path, config, tensors: dict[str, np.ndarray], token
     tokenizer_fields = gguf.gguf_tokenizer_fields(tokenizer, source_gguf)
   except gguf.TokenizerNotConvertible as e:
     raise ExportError(str(e)) from None
-  if getattr(tokenizer, "chat_template", None):  # a source GGUF without one: the template trained with
-    tokenizer_fields.setdefault("tokenizer.chat_template", tokenizer.chat_template)
+  if getattr(tokenizer, "chat_template", None):  # the template trained with, over a source GGUF's own
+    tokenizer_fields["tokenizer.chat_template"] = tokenizer.chat_template
   gguf.write_gguf(path, config, tensors, tokenizer_fields, dtype, name)
 
 

@@ -85,3 +85,14 @@ def test_a_run_trains_on_its_template_and_chat_and_export_use_it(tiny_dir, small
   broken.write_text("{% if %}")
   r = train_main(base_args(tiny_dir, small_data, tmp_path / "never", "--chat-template", broken, "max_steps=1"))
   assert r.returncode == 2 and "broken.jinja" in r.stderr and not (tmp_path / "never").exists()
+
+
+@pytest.mark.slow
+def test_a_gguf_export_carries_the_template_over_its_source_gguf_s_own(tiny_dir, template_file, tmp_path):
+  from gguf import GGUFReader
+
+  source = export.export(str(tiny_dir), None, tmp_path / "source", fmt="gguf") / "model.gguf"
+  field = lambda path: GGUFReader(str(path)).fields["tokenizer.chat_template"].contents()
+  assert "im_start" in field(source)  # the tokenizer's own
+  out = export.export(str(source), None, tmp_path / "templated", fmt="gguf", chat_template=str(template_file))
+  assert field(out / "model.gguf") == TEMPLATE
