@@ -219,11 +219,12 @@ def save_full_model(run: Run, model) -> None:
   if not run.files.writer:
     return
   from jaxsft import export
+  from jaxsft.data.template import as_trained
 
   tensors = {k: np.asarray(v) for k, v in models.to_hf_state_dict(model).items()}
   dtype = str(np.dtype(next(iter(tensors.values())).dtype))
   run.files.save_full_model(lambda tmp: export.write_hf(
-      tmp, model.config, tensors, run.tokenizer, "bfloat16" if dtype == "bfloat16" else "float32"))
+      tmp, model.config, tensors, as_trained(run.tokenizer), "bfloat16" if dtype == "bfloat16" else "float32"))
 
 
 @dataclasses.dataclass(frozen=True)
