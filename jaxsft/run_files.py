@@ -241,9 +241,9 @@ class RunFiles:
     io.write_text(self.metrics, "".join(line + "\n" for line in kept))
 
   def save_adapter(self, model, base_model_name_or_path: str, tokenizer=None) -> None:
-    """The PEFT adapter folder, replaced whole (a reader never sees a mix of two steps), with the
-    run's `tokenizer` beside it, as TRL saves one: `AutoTokenizer.from_pretrained` of the folder
-    gives the chat template the adapter was trained with."""
+    """The PEFT adapter folder, replaced whole (a reader never sees a mix of two steps), with
+    `tokenizer` beside it when given, as TRL saves one: `AutoTokenizer.from_pretrained` of the
+    folder then gives the chat template the adapter was trained with."""
     if not self.writer:
       return
     from jaxsft import lora

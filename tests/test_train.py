@@ -79,6 +79,8 @@ def test_cli_end_to_end_on_a_tiny_model(tiny_dir, small_data, tmp_path, train_ma
   for name in ("adapter/adapter_config.json", "adapter/adapter_model.safetensors", "loss_curve.png",
                "summary.json", "doctor.txt", "evaluation.json", "config.json", "heldout.json"):
     assert (out / name).is_file(), name
+  # The base's own chat template: the adapter is its two files (test_chat_template: another template).
+  assert sorted(p.name for p in (out / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
   summary = json.loads((out / "summary.json").read_text())
   assert summary["steps"] == 8 and summary["recompiles"] == 0
   collation = summary["collation"]  # every mode records its predicted and measured seconds

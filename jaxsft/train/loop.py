@@ -211,7 +211,12 @@ def save_tuned(run: Run, trainable) -> None:
   if run.cfg.mode == "full":
     save_full_model(run, run.model(trainable))
   else:  # the adapter is the LoRA params alone: the frozen base stays as the steps hold it
-    run.files.save_adapter(nnx.merge(run.graphdef, trainable, run.frozen), run.cfg.model.name, run.tokenizer)
+    # The tokenizer goes beside it only where its chat template is not the base's own (a
+    # model.chat_template, or the plain one of a base without any): an adapter of the base's own
+    # template stays its two files.
+    own_template = run.cfg.model.chat_template is None and getattr(run.tokenizer, "chat_template", None)
+    run.files.save_adapter(nnx.merge(run.graphdef, trainable, run.frozen), run.cfg.model.name,
+                           None if own_template else run.tokenizer)
 
 
 def save_full_model(run: Run, model) -> None:
