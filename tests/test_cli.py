@@ -69,7 +69,7 @@ def test_chat_and_export_share_one_set_of_model_flags():
 
   flags = model_flags(export.build_parser())
   assert [dest for dest, *_ in flags] == ["run_dir", "model", "adapter", "quantize", "quant_block_size",
-                                          "quantize_embeddings"]
+                                          "quantize_embeddings", "chat_template"]
   assert model_flags(chat.build_parser())[:len(flags)] == flags  # chat adds its compute --dtype after them
 
 
