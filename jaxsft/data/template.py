@@ -161,15 +161,16 @@ def _with_bos(full: str, spans: Spans, bos: str) -> tuple[str, Spans]:
   return full, spans
 
 
-def _trained_turns(roles, train_on: str, untrained=frozenset()) -> list[int]:
-  """The turns whose replies are trained: the assistant turns but those `untrained` (a `weight`
-  of 0 in the record), or with train_on="last" the final one of them."""
-  turns = [i for i, role in enumerate(roles) if role == "assistant" and i not in untrained]
+def _shape(messages) -> tuple[tuple[str, bool, bool], ...]:
+  """Per turn: its role, whether its content is empty, whether a `weight` of 0 leaves it untrained."""
+  return tuple((m["role"], m["content"] == "", m.get("weight") == 0) for m in messages)
+
+
+def _trained_turns(shape, train_on: str) -> list[int]:
+  """The turns of a `_shape` whose replies are trained: the assistant turns but those of weight
+  0, or with train_on="last" the final one of them."""
+  turns = [i for i, (role, _, weighted_out) in enumerate(shape) if role == "assistant" and not weighted_out]
   return turns[-1:] if train_on == "last" else turns
-
-
-def _weighted_out(messages) -> frozenset[int]:
-  return frozenset(i for i, m in enumerate(messages) if m.get("weight") == 0)
 
 
 def _check_train_on(train_on: str) -> None:
@@ -319,7 +320,7 @@ def render_with_spans(tokenizer, record: dict, *, train_on: str = "all_assistant
   render = lambda msgs, gen=False: render_chat(tokenizer, msgs, generation_prompt=gen)
   full = render(messages)
   spans = []
-  for i in _trained_turns([m["role"] for m in messages], train_on, _weighted_out(messages)):
+  for i in _trained_turns(_shape(messages), train_on):
     rule = locate_reply(render, messages, full, i, _PROBE)
     start = rule.start(full, messages[i]["content"])
     probed = probe_turn(messages, i, _PROBE)
@@ -364,7 +365,7 @@ class SpanRenderer:
 
   def __call__(self, record: dict) -> tuple[str, Spans]:
     messages = record["messages"]
-    shape = tuple((m["role"], m["content"] == "", m.get("weight") == 0) for m in messages)
+    shape = _shape(messages)
     plan = self.plans.get(shape, False)
     if plan is False:
       plan = self.plans[shape] = self._plan(shape)
@@ -407,8 +408,7 @@ class SpanRenderer:
     if ends is None:
       return None
     turns = []
-    weighted_out = frozenset(i for i, (_, _, out) in enumerate(shape) if out)
-    for i in _trained_turns([role for role, _, _ in shape], self.train_on, weighted_out):
+    for i in _trained_turns(shape, self.train_on):
       turn = self._plan_turn(render, messages, full, i, ends)
       if turn is None:
         return None
