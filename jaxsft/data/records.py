@@ -19,7 +19,8 @@ the first non-blank character; a `.csv` or `.tsv` file (`.gz` too) with a header
 per field, every cell read as text; or Arrow data read through pyarrow: a `.parquet` file, an `.arrow`
 file (IPC stream or file format), a folder of parquet shards, or a folder written by Hugging Face
 `datasets`' `save_to_disk` (`state.json` listing `data-*.arrow` shards in the IPC stream format;
-a `DatasetDict` folder (`dataset_dict.json`) gives its `train` split). Records are streamed: JSONL
+a `DatasetDict` folder (`dataset_dict.json`) gives its `train` split); those through pyarrow are
+read in `tables.py`. Records are streamed: JSONL
 line by line, a JSON array element by element, Arrow in record batches, so memory does not grow
 with the file. Text is UTF-8 (a leading byte-order mark is allowed); JSONL lines are decoded one
 by one, so a line that is not UTF-8 is a bad record like any other. Bad input raises `DataError`
@@ -36,7 +37,6 @@ import gzip
 import json
 import logging
 import os
-import pathlib
 import sys
 import zlib
 from typing import Any, Callable, Iterator, Sequence
@@ -221,19 +221,17 @@ def _open_binary(path: str):
   return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
-_ARROW_SUFFIXES = (".parquet", ".arrow")
-_DELIMITED_SUFFIXES = {".csv": ",", ".csv.gz": ",", ".tsv": "\t", ".tsv.gz": "\t"}
-
-
 def _read_raw(path: str) -> Iterator[tuple[str, Any]]:
   """Yields `(where, raw_record)`; `where` is "index i" (JSON array), "line n" (JSONL) or
   "row i" (Arrow; "SHARD row i" in a folder of several)."""
-  if os.path.isdir(path) or path.endswith(_ARROW_SUFFIXES):
-    yield from _read_arrow(path)
+  from jaxsft.data import tables  # it reads with pyarrow, imported only for such files
+
+  if os.path.isdir(path) or path.endswith(tables.ARROW_SUFFIXES):
+    yield from tables.read_arrow(path)
     return
-  delimiter = next((d for suffix, d in _DELIMITED_SUFFIXES.items() if path.endswith(suffix)), None)
+  delimiter = next((d for suffix, d in tables.DELIMITED_SUFFIXES.items() if path.endswith(suffix)), None)
   if delimiter is not None:
-    yield from _read_delimited(path, delimiter)
+    yield from tables.read_delimited(path, delimiter)
     return
   if not os.path.isfile(path):
     raise no_such_data(path)
@@ -286,87 +284,6 @@ def _read_jsonl(f) -> Iterator[tuple[str, Any]]:
     except RecursionError:
       raw = _BadLine(f"JSON nested deeper than Python's recursion limit ({sys.getrecursionlimit()})")
     yield f"line {lineno}", raw
-
-
-def _arrow_files(path: str) -> list[str]:
-  """The Arrow/parquet files of a path, in order (see the module docstring)."""
-  if not os.path.isdir(path):
-    if not os.path.isfile(path):
-      raise no_such_data(path)
-    return [path]
-  if os.path.isfile(os.path.join(path, "dataset_dict.json")):
-    with open(os.path.join(path, "dataset_dict.json")) as f:
-      splits = json.load(f).get("splits", [])
-    split = "train" if "train" in splits else (splits[0] if len(splits) == 1 else None)
-    if split is None:
-      raise DataError(f"a DatasetDict folder without a 'train' split (splits: {splits}); pass the split's folder",
-                      path=path)
-    return _arrow_files(os.path.join(path, split))
-  if os.path.isfile(os.path.join(path, "state.json")):
-    with open(os.path.join(path, "state.json")) as f:
-      return [os.path.join(path, d["filename"]) for d in json.load(f)["_data_files"]]
-  for suffix in _ARROW_SUFFIXES:
-    files = sorted(str(p) for p in pathlib.Path(path).rglob(f"*{suffix}"))
-    if files:
-      return files
-  raise DataError("a folder without state.json, dataset_dict.json, parquet or arrow files", path=path)
-
-
-def _read_arrow(path: str) -> Iterator[tuple[str, Any]]:
-  try:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-  except ImportError:
-    raise DataError("reading parquet/Arrow data needs pyarrow (pip install pyarrow)", path=path) from None
-  files = _arrow_files(path)
-  for file in files:
-    name = f"{os.path.relpath(file, path)} " if len(files) > 1 else ""
-    try:
-      if file.endswith(".parquet"):
-        batches = pq.ParquetFile(file).iter_batches(batch_size=1024)
-      else:
-        source = pa.memory_map(file)
-        try:
-          batches = iter(pa.ipc.open_stream(source))
-        except pa.ArrowInvalid:
-          reader = pa.ipc.open_file(source)
-          batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
-      row = 0
-      for batch in batches:
-        for raw in batch.to_pylist():
-          yield f"{name}row {row}", raw
-          row += 1
-    except (OSError, pa.ArrowException) as e:
-      raise DataError(f"cannot read {file}: {one_line(e)}", path=path) from None
-
-
-def _read_delimited(path: str, delimiter: str) -> Iterator[tuple[str, Any]]:
-  """`("row i", {column: text})` per row of a CSV or TSV file under a header line (`.gz` too): every
-  cell is read as text, as written (an answer column of numbers stays "42", an empty cell ""), and a
-  quoted cell may span lines. A row that does not parse stops the file, as in a JSON array."""
-  try:
-    import pyarrow as pa
-    import pyarrow.csv as csv
-  except ImportError:
-    raise DataError("reading CSV/TSV data needs pyarrow (pip install pyarrow)", path=path) from None
-  if not os.path.isfile(path):
-    raise no_such_data(path)
-  parse = csv.ParseOptions(delimiter=delimiter, newlines_in_values=True)
-
-  def reader(column_types=None):
-    return csv.open_csv(pa.input_stream(path, compression="detect"), parse_options=parse,
-                        convert_options=csv.ConvertOptions(column_types=column_types, strings_can_be_null=False,
-                                                           quoted_strings_can_be_null=False))
-
-  row = 0
-  try:
-    names = reader().schema.names  # the header; the cells are then read as text, not inferred types
-    for batch in reader({name: pa.string() for name in names}):
-      for raw in batch.to_pylist():
-        yield f"row {row}", raw
-        row += 1
-  except (OSError, EOFError, pa.ArrowException) as e:  # pyarrow's message quotes the row it stopped at
-    raise DataError(f"cannot read: {one_line(e)}", path=path) from None
 
 
 def normalize_record(raw: Any, *, fmt: str = "auto", field_map: dict[str, str] | None = None) -> dict:
